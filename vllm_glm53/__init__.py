@@ -1,0 +1,65 @@
+"""vllm-glm53: GLM-5.3-Flash (``glm5_next``) for stock vLLM.
+
+``register`` is the only entry point (``vllm.general_plugins``: ``glm53 = vllm_glm53:register``). vLLM calls
+it once in every process it starts (front-end, model-inspection subprocess, engine core, workers), so it
+must stay cheap: it registers lazy ``module:Class`` strings and imports no model code, no torch kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__version__ = "0.1.0"
+
+logger = logging.getLogger("vllm_glm53")
+
+# What the plugin registers, by vLLM registry. Values are (module, class) and are imported lazily by vLLM.
+MODELS = {
+    "Glm5NextForCausalLM": ("vllm_glm53.model", "Glm5NextForCausalLM"),
+    "Glm5NextForConditionalGeneration": ("vllm_glm53.model", "Glm5NextForConditionalGeneration"),
+    "Glm5NextMTPModel": ("vllm_glm53.model", "Glm5NextMTPModel"),
+}
+TOKENIZER_MODES: dict[str, tuple[str, str]] = {}
+RENDERERS: dict[str, tuple[str, str]] = {}
+TOOL_PARSERS: dict[str, tuple[str, str]] = {}
+REASONING_PARSERS: dict[str, tuple[str, str]] = {}
+
+_registered: list[str] | None = None
+
+
+def register() -> list[str]:
+    """Register the plugin's pieces with vLLM. Idempotent; ``VLLM_GLM53_DISABLE=1`` turns it off.
+
+    Returns the list of what was registered (empty when disabled).
+    """
+    global _registered
+    if os.environ.get("VLLM_GLM53_DISABLE", "0").strip().lower() in ("1", "true", "yes"):
+        logger.info("vllm-glm53: VLLM_GLM53_DISABLE is set; nothing registered")
+        return []
+    if _registered is not None:
+        return _registered
+
+    from vllm_glm53 import _vllm
+
+    done: list[str] = []
+    for arch, target in MODELS.items():
+        _vllm.register_model(arch, *target)
+        done.append(f"model {arch}")
+    for mode, target in TOKENIZER_MODES.items():
+        _vllm.register_tokenizer_mode(mode, *target)
+        done.append(f"tokenizer-mode {mode}")
+    for mode, target in RENDERERS.items():
+        if _vllm.register_renderer(mode, *target):
+            done.append(f"renderer {mode}")
+    for name, target in TOOL_PARSERS.items():
+        _vllm.register_tool_parser(name, *target)
+        done.append(f"tool-parser {name}")
+    for name, target in REASONING_PARSERS.items():
+        _vllm.register_reasoning_parser(name, *target)
+        done.append(f"reasoning-parser {name}")
+    done += _vllm.register_extras()
+
+    _registered = done
+    logger.info("vllm-glm53 %s registered: %s", __version__, ", ".join(done))
+    return done

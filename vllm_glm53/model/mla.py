@@ -1,0 +1,186 @@
+"""Sparse MLA with the k-pool lightning indexer: GLM-5.3's attention block (architecture.md §6, §7).
+
+NoPE latent attention in its absorbed form: the cache holds one normalised latent ``c_kv`` per token, queries
+are mapped into latent space by ``W_UK``, attention runs over the latents of the positions the indexer
+selected, and ``W_UV`` maps the result back. Heads are split over tensor-parallel ranks; the latent and the
+indexer (one key head, a few query heads) are replicated.
+
+``shared`` layers own no indexer and reuse the selection of the most recent ``full`` layer (transformers
+only allows that layer to sit immediately before; reusing the latest full selection is the same there).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_glm53 import _vllm
+from vllm_glm53._vllm import (
+    AttentionLayerBase,
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    get_tensor_model_parallel_world_size,
+)
+from vllm_glm53.backends import indexer_ops, mla_ops
+from vllm_glm53.backends.latent_cache import LatentCacheBackend, cache_rows, read_rows, write_rows
+from vllm_glm53.config import TextArch
+from vllm_glm53.model.norm import RMSNorm
+
+
+def latent_row_size(arch: TextArch) -> int:
+    """Values per cached token: latent + indexer key + pooling gate logits."""
+    return arch.kv_lora_rank + 2 * arch.index_head_dim
+
+
+class Glm5NextIndexer(nn.Module):
+    """Projections of the lightning indexer. Replicated on every TP rank (it is small and its output, the
+    selection, must be identical everywhere)."""
+
+    def __init__(self, arch: TextArch, prefix: str) -> None:
+        super().__init__()
+        nI, dI, D = arch.index_n_heads, arch.index_head_dim, arch.hidden_size
+        self.wq_b = ReplicatedLinear(arch.q_lora_rank, nI * dI, bias=False, prefix=f"{prefix}.wq_b")
+        self.wk = ReplicatedLinear(D, dI, bias=False, prefix=f"{prefix}.wk")
+        self.k_norm = nn.LayerNorm(dI, eps=1e-6)
+        self.weights_proj = ReplicatedLinear(D, nI, bias=False, prefix=f"{prefix}.weights_proj")
+        # Checkpoint names have no ".weight" suffix for these two.
+        self.index_kpool_compress_gate = nn.Parameter(torch.empty(dI, D), requires_grad=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.empty(arch.index_kpool, dI, dtype=torch.float32),
+                                                     requires_grad=False)
+        self.n_heads, self.head_dim = nI, dI
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token cache part ``[key (dI) | gate logits (dI)]`` in the activation dtype."""
+        k, _ = self.wk(x)
+        gate = torch.nn.functional.linear(x, self.index_kpool_compress_gate)
+        return torch.cat([self.k_norm(k), gate], dim=-1)
+
+    def queries(self, x: torch.Tensor, c_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query heads ``[T, nI, dI]`` and float32 head weights ``[T, nI]`` (already scaled by nI^-1/2)."""
+        q, _ = self.wq_b(c_q)
+        w, _ = self.weights_proj(x)
+        return q.view(-1, self.n_heads, self.head_dim), w.float() * self.n_heads**-0.5
+
+
+class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
+    def __init__(self, arch: TextArch, layer_idx: int, has_indexer: bool, model_dtype: torch.dtype,
+                 prefix: str) -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        if arch.num_heads % tp:
+            raise ValueError(f"num_attention_heads {arch.num_heads} is not divisible by TP {tp}")
+        self.arch = arch
+        self.prefix = prefix
+        self.model_dtype = model_dtype
+        self.heads = arch.num_heads // tp
+        H, D, L = arch.num_heads, arch.hidden_size, arch.kv_lora_rank
+        dn, dv = arch.qk_nope_head_dim, arch.v_head_dim
+        self.q_a_proj = ReplicatedLinear(D, arch.q_lora_rank, bias=False, prefix=f"{prefix}.q_a_proj")
+        self.q_a_layernorm = RMSNorm(arch.q_lora_rank, arch.rms_norm_eps)
+        self.q_b_proj = ColumnParallelLinear(arch.q_lora_rank, H * dn, bias=False, prefix=f"{prefix}.q_b_proj")
+        self.kv_a_proj_with_mqa = ReplicatedLinear(D, L, bias=False, prefix=f"{prefix}.kv_a_proj_with_mqa")
+        self.kv_a_layernorm = RMSNorm(L, arch.rms_norm_eps)
+        # Rows per head are [k_nope (dn); v (dv)], so a column split at head boundaries keeps whole heads.
+        self.kv_b_proj = ColumnParallelLinear(L, H * (dn + dv), bias=False, prefix=f"{prefix}.kv_b_proj")
+        _vllm.cpu_skip_gemm_dispatch(self.kv_b_proj)  # its weight is split into W_UK / W_UV after loading
+        self.o_proj = RowParallelLinear(H * dv, D, bias=False, prefix=f"{prefix}.o_proj")
+        self.indexer = Glm5NextIndexer(arch, f"{prefix}.indexer") if has_indexer else None
+        self.scale = dn**-0.5
+        self.w_uk: torch.Tensor | None = None
+        self.w_uv: torch.Tensor | None = None
+
+        vllm_config = _vllm.get_current_vllm_config()
+        self.cache_config = vllm_config.cache_config
+        ctx = vllm_config.compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"duplicate layer name {prefix}")
+        ctx[prefix] = self
+        self.kv_cache = torch.tensor([])
+
+    # --- vLLM attention-layer interface -------------------------------------------------------------------
+
+    def get_attn_backend(self):
+        return LatentCacheBackend
+
+    def get_kv_cache_spec(self, vllm_config):
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--kv-cache-dtype {cache_dtype} is not supported by the GLM-5.3 latent cache")
+        dtype = self.model_dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
+        return _vllm.MLAAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=1,
+            head_size=latent_row_size(self.arch),
+            dtype=dtype,
+            cache_dtype_str=cache_dtype,
+        )
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype | None = None) -> None:
+        a = self.arch
+        self.w_uk, self.w_uv = mla_ops.split_kv_b(self.kv_b_proj.weight.data, self.heads, a.qk_nope_head_dim,
+                                                  a.v_head_dim)
+
+    # --- forward ---------------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, shared_selection: list[torch.Tensor] | None = None):
+        """Returns ``(output [T, D], selection)``: ``selection`` holds one index tensor per request (what a
+        following ``shared`` layer reuses); a shared layer passes the one it was given through."""
+        a = self.arch
+        T = x.shape[0]
+        if self.w_uk is None:
+            self.process_weights_after_loading()
+        q_a, _ = self.q_a_proj(x)
+        c_q = self.q_a_layernorm(q_a)
+        q, _ = self.q_b_proj(c_q)
+        q_lat = mla_ops.absorb_q(q.view(T, self.heads, a.qk_nope_head_dim), self.w_uk)
+        kv_a, _ = self.kv_a_proj_with_mqa(x)
+        new_rows = self.kv_a_layernorm(kv_a)
+        if self.indexer is not None:
+            new_rows = torch.cat([new_rows, self.indexer.keys(x)], dim=-1)
+            q_idx, w_idx = self.indexer.queries(x, c_q)
+        else:
+            new_rows = torch.nn.functional.pad(new_rows, (0, 2 * a.index_head_dim))
+
+        meta = _vllm.layer_attn_metadata(self.prefix)
+        if meta is None:  # profiling / dummy run: the batch is one fresh sequence
+            spans = [(0, T, torch.arange(T, device=x.device), new_rows)]
+        else:
+            rows = cache_rows(self.kv_cache)
+            write_rows(rows, meta.slot_mapping, new_rows)
+            spans = [
+                (lo, hi, meta.positions(r, x.device), read_rows(rows, meta.block_table[r], meta.seq_lens[r]))
+                for r, (lo, hi) in enumerate(zip(meta.query_start_loc[:-1], meta.query_start_loc[1:]))
+            ]
+
+        o_lat = torch.zeros_like(q_lat)
+        selection = []
+        for r, (lo, hi, positions, seq_rows) in enumerate(spans):
+            if hi == lo:
+                selection.append(None)
+                continue
+            if self.indexer is not None:
+                sel = self._select(seq_rows, q_idx[lo:hi], w_idx[lo:hi], positions)
+            else:
+                if shared_selection is None:
+                    raise RuntimeError(f"{self.prefix}: shared indexer layer got no selection to reuse")
+                sel = shared_selection[r]
+            selection.append(sel)
+            latent = seq_rows[:, : a.kv_lora_rank]
+            o_lat[lo:hi] = mla_ops.sparse_latent_attention(q_lat[lo:hi], latent, sel, self.scale)
+        o = mla_ops.apply_uv(o_lat, self.w_uv)
+        out, _ = self.o_proj(o.reshape(T, -1))
+        return out, selection
+
+    def _select(self, seq_rows, q_idx, w_idx, positions) -> torch.Tensor:
+        a = self.arch
+        kp, L, dI = a.index_kpool, a.kv_lora_rank, a.index_head_dim
+        if indexer_ops.all_candidates_fit(int(positions.max()), a.index_topk, kp):
+            return indexer_ops.select_tokens(None, positions, a.index_topk, kp)
+        n_pools = (int(positions.max()) + 1) // kp
+        pooled_rows = seq_rows[: n_pools * kp]
+        pooled = indexer_ops.kpool_compress(pooled_rows[:, L : L + dI], pooled_rows[:, L + dI :],
+                                            self.indexer.index_kpool_compress_ape)
+        scores = indexer_ops.index_scores(q_idx, w_idx, pooled)
+        return indexer_ops.select_tokens(scores, positions, a.index_topk, kp)
+

@@ -1,0 +1,153 @@
+"""GLM-5.3-Flash text model for vLLM: embedding, mHC-wrapped decoder blocks, final norm, LM head.
+
+    X = [embed(ids)] * hc_mult                               (mHC residual streams)
+    for each layer:  X = mHC(X, KDA | sparse MLA, input_layernorm)
+                     X = mHC(X, dense MLP | MoE, post_attention_layernorm)
+    h = norm(mean over streams of X);  logits = lm_head(h)
+
+The language model uses no positional encoding at all; ``positions`` only feed the indexer's pool
+arithmetic (through the attention metadata).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm_glm53._vllm import (
+    HasInnerState,
+    IsHybrid,
+    LogitsProcessor,
+    MambaStateCopyFuncCalculator,
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm_glm53.config import TextArch, text_arch
+from vllm_glm53.model.kda import Glm5NextKDA, kda_state_dtypes, kda_state_shapes
+from vllm_glm53.model.mhc import MHCParams
+from vllm_glm53.model.mla import Glm5NextSparseMLA
+from vllm_glm53.model.moe import Glm5NextMLP, Glm5NextMoE
+from vllm_glm53.model.norm import RMSNorm
+from vllm_glm53.model.weights import WeightLoader
+
+
+class Glm5NextDecoderLayer(nn.Module):
+    def __init__(self, arch: TextArch, idx: int, model_dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        self.is_kda = arch.is_kda(idx)
+        self.shares_selection = not self.is_kda and arch.indexer_types[idx] == "shared"
+        D, eps = arch.hidden_size, arch.rms_norm_eps
+        hc = dict(hidden_size=D, hc_mult=arch.hc_mult, hc_eps=arch.hc_eps, sinkhorn_iters=arch.hc_sinkhorn_iters,
+                  norm_eps=eps)
+        self.attn_hc = MHCParams(**hc)
+        self.ffn_hc = MHCParams(**hc)
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        if self.is_kda:
+            self.self_attn = Glm5NextKDA(arch, idx, model_dtype, prefix=f"{prefix}.self_attn")
+        else:
+            self.self_attn = Glm5NextSparseMLA(arch, idx, not self.shares_selection, model_dtype,
+                                               prefix=f"{prefix}.self_attn")
+        if arch.is_moe(idx):
+            self.mlp = Glm5NextMoE(arch, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = Glm5NextMLP(D, arch.intermediate_size, arch.swiglu_limit, prefix=f"{prefix}.mlp")
+
+    def forward(self, X: torch.Tensor, selection):
+        """``X [T, n, D]`` residual streams -> new streams, and the sparse selection for later shared layers."""
+        u, post, comb = self.attn_hc.pre(X)
+        h = self.input_layernorm(u)
+        if self.is_kda:
+            y = self.self_attn(h)
+        else:
+            y, selection = self.self_attn(h, selection if self.shares_selection else None)
+        X = self.attn_hc.post(X, y, post, comb)
+        u, post, comb = self.ffn_hc.pre(X)
+        y = self.mlp(self.post_attention_layernorm(u))
+        return self.ffn_hc.post(X, y, post, comb), selection
+
+
+class Glm5NextModel(nn.Module):
+    def __init__(self, arch: TextArch, model_dtype: torch.dtype, prefix: str = "model") -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, prefix=f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(
+            Glm5NextDecoderLayer(arch, i, model_dtype, prefix=f"{prefix}.layers.{i}") for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        e = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        X = e.unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
+        selection = None
+        for layer in self.layers:
+            X, selection = layer(X, selection)
+        # Final collapse is a plain mean over the streams (no learned head weights in GLM-5.3).
+        h = X.to(torch.float32).mean(dim=1).to(X.dtype)
+        return self.norm(h)
+
+
+class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    """Flat (text-only) checkpoints: ``model.*`` and ``lm_head``."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__()
+        hf_config = vllm_config.model_config.hf_config
+        self.arch = text_arch(hf_config)
+        self.model_dtype = vllm_config.model_config.dtype
+        self.model = Glm5NextModel(self.arch, self.model_dtype, prefix="model")
+        self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size, prefix="lm_head")
+        self.logits_processor = LogitsProcessor(self.arch.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        return self.model(input_ids, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loader = WeightLoader(self, self.arch.num_layers, skip_prefixes=("model.visual.",))
+        loaded = loader.load(weights)
+        loader.check_complete()
+        return loaded
+
+    # --- hybrid-state sizing (vLLM asks before building the model) ---------------------------------------------
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config):
+        arch = text_arch(vllm_config.model_config.hf_config)
+        return kda_state_shapes(arch, vllm_config.parallel_config.tensor_parallel_size)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config):
+        return kda_state_dtypes(vllm_config.model_config.dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return MambaStateCopyFuncCalculator.kda_state_copy_func()
+
+
+class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
+    """Nested (released) checkpoints: ``model.language_model.*``, ``model.visual.*``, ``lm_head``.
+
+    The language part is the same model; checkpoint names are normalised by the weight loader. The vision
+    tower is not served yet: its tensors are skipped and the model registers no multimodal processor, so
+    vLLM rejects image and video inputs for it.
+    """
+
+
+class Glm5NextMTPModel(nn.Module):
+    """The checkpoint's multi-token-prediction draft layer. Not served yet: constructing it (vLLM does so for
+    ``--speculative-config '{"method": "mtp", ...}'``) fails with a clear message instead of a deep error."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__()
+        raise NotImplementedError(
+            "vllm-glm53 does not serve the GLM-5.3 MTP draft layer yet; run without --speculative-config"
+        )

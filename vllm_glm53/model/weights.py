@@ -1,0 +1,147 @@
+"""Checkpoint names -> model parameters, in one place.
+
+The checkpoint layout is the released one (architecture.md §12): nested ``model.language_model.*`` or flat
+``model.*``, per-expert MoE tensors, q/k/v conv weights split, layer-level ``hc_{attn,ffn}_*``. The serving
+model fuses some of them (q|k|v, gate|up) and shards them over TP ranks through each parameter's
+``weight_loader``. Every tensor must land somewhere and every parameter must be filled: anything else is a
+:class:`CheckpointError` naming the tensors, before the engine starts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm_glm53._vllm import default_weight_loader
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model its config describes."""
+
+
+# Checkpoint sub-name -> (parameter sub-name, shard id) for the fused projections.
+_FUSED = {
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+    "mlp.shared_experts.gate_proj.weight": ("mlp.shared_experts.gate_up_proj.weight", 0),
+    "mlp.shared_experts.up_proj.weight": ("mlp.shared_experts.gate_up_proj.weight", 1),
+}
+_HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)$")
+_CONV = re.compile(r"self_attn\.([qkv])_conv1d\.weight$")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def canonical_name(name: str) -> str:
+    """Nested and flat checkpoints name the text model differently; use the flat names."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return name
+
+
+class WeightLoader:
+    """Streams checkpoint tensors into ``model`` (a module holding ``model.*`` and ``lm_head``)."""
+
+    def __init__(self, root: nn.Module, num_layers: int, layer_offset: int = 0,
+                 skip_prefixes: tuple[str, ...] = ()) -> None:
+        self.root = root
+        self.num_layers = num_layers
+        self.layer_offset = layer_offset  # the MTP module maps checkpoint layer N to its block 0
+        self.skip_prefixes = skip_prefixes
+        self.params = dict(root.named_parameters())
+        self.loaded: set[str] = set()
+        self.unexpected: list[str] = []
+        self.skipped = 0
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for raw_name, tensor in weights:
+            name = canonical_name(raw_name)
+            if name.startswith(self.skip_prefixes):
+                self.skipped += 1
+                continue
+            try:
+                self._load_one(name, tensor)
+            except CheckpointError:
+                raise
+            except Exception as e:  # shape mismatch and friends: name the tensor
+                raise CheckpointError(f"cannot load checkpoint tensor {raw_name} {tuple(tensor.shape)}: {e}") from e
+        return self.loaded
+
+    def check_complete(self, optional: Iterable[str] = ()) -> None:
+        missing = sorted(set(self.params) - self.loaded - set(optional))
+        problems = []
+        if missing:
+            problems.append(f"missing tensors for {len(missing)} parameters: {', '.join(missing[:12])}"
+                            + (" ..." if len(missing) > 12 else ""))
+        if self.unexpected:
+            problems.append(f"{len(self.unexpected)} unexpected tensors: {', '.join(self.unexpected[:12])}"
+                            + (" ..." if len(self.unexpected) > 12 else ""))
+        if problems:
+            raise CheckpointError("checkpoint does not match the glm5_next config: " + "; ".join(problems))
+
+    # --------------------------------------------------------------------------------------------------------
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        m = _LAYER.match(name)
+        if m is None:
+            self._direct(name, tensor)
+            return
+        layer = int(m.group(1)) - self.layer_offset
+        sub = m.group(2)
+        if not 0 <= layer < self.num_layers:
+            self.skipped += 1  # another module's layer (the MTP layer for the main model, and vice versa)
+            return
+        base = f"model.layers.{layer}."
+        if sub in _FUSED:
+            target, shard = _FUSED[sub]
+            self._sharded(base + target, tensor, shard)
+        elif mm := _HC.match(sub):
+            self._direct(f"{base}{mm.group(1)}_hc.{mm.group(2)}", tensor)
+        elif mm := _CONV.match(sub):
+            attn = self.root.get_submodule(base + "self_attn")
+            attn.load_conv("qkv".index(mm.group(1)), tensor)
+            self.loaded.add(base + "self_attn.conv_weight")
+        elif mm := _EXPERT.match(sub):
+            moe = self.root.get_submodule(base + "mlp")
+            moe.load_expert(int(mm.group(1)), mm.group(2), tensor)
+            self.loaded.update({base + "mlp.w13", base + "mlp.w2"})
+        elif sub in ("self_attn.dt_bias", "self_attn.A_log"):
+            param = self._param(base + sub)
+            if param is not None:
+                self.root.get_submodule(base + "self_attn").load_sharded_vector(param, tensor)
+                self.loaded.add(base + sub)
+        else:
+            self._direct(base + sub, tensor)
+
+    def _param(self, name: str) -> nn.Parameter | None:
+        param = self.params.get(name)
+        if param is None:
+            self.unexpected.append(name)
+        return param
+
+    def _direct(self, name: str, tensor: torch.Tensor) -> None:
+        param = self._param(name)
+        if param is None:
+            return
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected "
+                                      f"{tuple(param.shape)}")
+            default_weight_loader(param, tensor)
+        else:
+            loader(param, tensor)
+        self.loaded.add(name)
+
+    def _sharded(self, name: str, tensor: torch.Tensor, shard: int) -> None:
+        param = self._param(name)
+        if param is None:
+            return
+        param.weight_loader(param, tensor, shard)
+        self.loaded.add(name)
