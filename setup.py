@@ -13,7 +13,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["vllm_glm53", "vllm_glm53.*"]),
+    packages=find_packages(include=["vllm_glm53", "vllm_glm53.*"]) + ["vllm_glm53._recipes"],
     # The top-level recipes/ folder ships inside the package, so an installed plugin finds its recipes.
     package_dir={"vllm_glm53._recipes": "recipes"},
     package_data={"vllm_glm53._recipes": ["*.yaml"]},

@@ -177,10 +177,13 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
         kp, L, dI = a.index_kpool, a.kv_lora_rank, a.index_head_dim
         if indexer_ops.all_candidates_fit(int(positions.max()), a.index_topk, kp):
             return indexer_ops.select_tokens(None, positions, a.index_topk, kp)
-        n_pools = (int(positions.max()) + 1) // kp
+        seq_len = int(positions.max()) + 1
+        n_pools = seq_len // kp
         pooled_rows = seq_rows[: n_pools * kp]
         pooled = indexer_ops.kpool_compress(pooled_rows[:, L : L + dI], pooled_rows[:, L + dI :],
                                             self.indexer.index_kpool_compress_ape)
         scores = indexer_ops.index_scores(q_idx, w_idx, pooled)
+        if seq_len % kp:  # transformers' row layout has a column for the incomplete pool (never chosen)
+            scores = torch.nn.functional.pad(scores, (0, 1))
         return indexer_ops.select_tokens(scores, positions, a.index_topk, kp)
 

@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny checkpoints (built once per session), the transformers reference, and a runner that
+serves prompts through vLLM + the plugin in a separate process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """Builds tiny checkpoints on demand, each once per session: ``tiny_ckpt(name, **build_kwargs)``."""
+    from vllm_glm53.tiny import build_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    built: dict[str, Path] = {}
+
+    def get(name: str = "default", **kwargs) -> Path:
+        if name not in built:
+            built[name] = build_checkpoint(root / name, **kwargs)
+        return built[name]
+
+    return get
+
+
+def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=False, timeout=900,
+               env=None) -> list[dict]:
+    """Greedy generation through ``vllm.LLM`` in a fresh process; returns token ids (and logprobs) per prompt."""
+    import tempfile
+
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    with tempfile.TemporaryDirectory() as d:
+        spec, out = Path(d) / "spec.json", Path(d) / "out.json"
+        spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
+                                    "engine": engine or {}, "logprobs": logprobs, "ignore_eos": ignore_eos}))
+        proc = subprocess.run([sys.executable, str(TESTS / "engine_runner.py"), str(spec), str(out)],
+                              capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+        if proc.returncode != 0:
+            raise AssertionError(f"engine run failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+        return json.loads(out.read_text())
+
+
+def hf_model(path, dtype="float32"):
+    """transformers' own model on the same checkpoint (flat checkpoints need the documented key mapping)."""
+    import torch
+    from transformers import Glm5NextForConditionalGeneration
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    kwargs = {}
+    if "text_config" not in cfg:
+        kwargs["key_mapping"] = {r"^model\.(?!language_model\.|visual\.)": "model.language_model."}
+    model = Glm5NextForConditionalGeneration.from_pretrained(str(path), dtype=getattr(torch, dtype), **kwargs)
+    return model.eval()
+
+
+def hf_greedy(model, prompts, max_tokens) -> list[dict]:
+    """transformers ``generate`` (greedy), one prompt at a time; token ids and the chosen tokens' logprobs."""
+    import torch
+
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    results = []
+    for prompt, n in zip(prompts, max_tokens):
+        ids = torch.tensor([prompt])
+        kwargs = dict(max_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        lps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+        results.append({"token_ids": tokens, "logprobs": lps})
+    return results
+
+
+def prompt_set(tokenizer_dir, lengths) -> list[list[int]]:
+    """Token-id prompts of the given lengths cut from the shipped corpus (different starting points)."""
+    from importlib import resources
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    text = resources.files("vllm_glm53.data").joinpath("tiny_corpus.txt").read_text()
+    ids = tok.encode(text * 4, add_special_tokens=False)
+    return [ids[(97 * i) % 700 : (97 * i) % 700 + n] for i, n in enumerate(lengths)]

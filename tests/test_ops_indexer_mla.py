@@ -1,0 +1,210 @@
+"""Indexer and sparse-MLA CPU ops against transformers' attention/indexer modules and against plain loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_ref
+from vllm_glm53.backends.cpu import indexer as ix
+from vllm_glm53.backends.cpu import sparse_mla as mla
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hf_ref.build_model()
+
+
+@pytest.fixture(scope="module")
+def attn(model):
+    """Layer 3: MLA with a full indexer, followed by the shared layer 4."""
+    return hf_ref.layer(model, 3).self_attn
+
+
+def _x(attn, T, seed):
+    return torch.randn(T, attn.hidden_size, generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_indices(attn, x):
+    with torch.no_grad():
+        c_q = attn.q_a_layernorm(attn.q_a_proj(x))
+        mask = torch.ones(1, x.shape[0], dtype=torch.bool)
+        return attn.indexer(x.unsqueeze(0), c_q.unsqueeze(0), mask, None)[0]
+
+
+def _as_sets(rows):
+    return [set(r[r >= 0].tolist()) for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# indexer pieces vs plain loops
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_kpool_compress_matches_loop():
+    gen = torch.Generator().manual_seed(1)
+    kp, dI, T = 4, 5, 12
+    k, gate, ape = (torch.randn(*s, generator=gen) for s in ((T, dI), (T, dI), (kp, dI)))
+    pooled = ix.kpool_compress(k, gate, ape)
+    for p in range(T // kp):
+        for c in range(dI):
+            w = torch.softmax(gate[p * kp : (p + 1) * kp, c] + ape[:, c], dim=0)
+            assert torch.allclose(pooled[p, c], (w * k[p * kp : (p + 1) * kp, c]).sum(), atol=1e-6)
+    with pytest.raises(ValueError):
+        ix.kpool_compress(k[:10], gate[:10], ape)
+
+
+def test_index_scores_match_loop():
+    gen = torch.Generator().manual_seed(2)
+    Tq, nI, dI, P = 3, 4, 8, 5
+    q = torch.randn(Tq, nI, dI, generator=gen)
+    w, pooled = torch.randn(Tq, nI, generator=gen), torch.randn(P, dI, generator=gen)
+    scores = ix.index_scores(q, w, pooled)
+    for t in range(Tq):
+        for p in range(P):
+            ref = sum(w[t, h] * torch.relu(q[t, h] @ pooled[p] / dI**0.5) for h in range(nI))
+            assert torch.allclose(scores[t, p], ref, atol=1e-6)
+
+
+def _naive_select(scores, positions, topk, kp, tail):
+    rows = []
+    for s, t in zip(scores.tolist(), positions.tolist()):
+        n_cand = (t + 1) // kp
+        # transformers' rule: torch.topk over the whole row, non-candidates at float32's lowest value
+        row_scores = torch.tensor([v if p < n_cand else torch.finfo(torch.float32).min for p, v in enumerate(s)])
+        top = row_scores.topk(min(topk // kp, len(s))).indices.tolist()
+        best = [p for p in top if p < n_cand]
+        row = [p * kp + j for p in sorted(best) for j in range(kp)]
+        if tail:
+            row += list(range(n_cand * kp, t + 1))
+        rows.append(row + [-1] * (ix.index_width(topk, kp, tail) - len(row)))
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("topk,kp,tail", [(8, 4, True), (8, 4, False), (6, 2, True), (3, 1, True)])
+def test_select_tokens_matches_loop_with_ties(topk, kp, tail):
+    gen = torch.Generator().manual_seed(3)
+    T = 37
+    scores = torch.randint(0, 3, (T, T // kp), generator=gen).float()  # many exact ties
+    positions = torch.arange(T)
+    out = ix.select_tokens(scores, positions, topk, kp, tail)
+    assert out.dtype == torch.int64
+    assert torch.equal(out, _naive_select(scores, positions, topk, kp, tail))
+
+
+def test_select_tokens_dense_fast_path_and_errors():
+    positions = torch.tensor([0, 3, 5, 10])
+    out = ix.select_tokens(None, positions, 8, 4)  # (10 + 1) // 4 = 2 pools <= 8 // 4: dense
+    for row, t in zip(out.tolist(), positions.tolist()):
+        assert row == list(range(t + 1)) + [-1] * (11 - t - 1)
+    assert ix.all_candidates_fit(10, 8, 4) and not ix.all_candidates_fit(11, 8, 4)
+    with pytest.raises(ValueError):
+        ix.select_tokens(None, torch.tensor([11]), 8, 4)
+    with pytest.raises(ValueError):
+        ix.select_tokens(torch.zeros(1, 2), torch.tensor([11]), 8, 4)  # pool 2 is complete but not scored
+
+
+# ---------------------------------------------------------------------------------------------------------
+# indexer vs transformers
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [40, 61])
+def test_selection_matches_hf_sets(attn, T):
+    x = _x(attn, T, 10 + T)
+    ours = hf_ref.indexer_selection(attn, x)
+    ref = _hf_indices(attn, x)
+    assert ours.shape == ref.shape == (T, attn.config.index_topk + attn.config.index_kpool - 1)
+    assert _as_sets(ours) == _as_sets(ref)
+    # sparse selection really drops tokens, and rows are ascending then -1
+    assert max(len(s) for s in _as_sets(ours)) < T // 2
+    for row in ours.tolist():
+        valid = [i for i in row if i >= 0]
+        assert valid == sorted(valid) and row == valid + [-1] * (len(row) - len(valid))
+
+
+def test_selection_for_decode_queries_matches_hf(attn):
+    """Queries at the last positions only (decode), scored against every complete pool of the context."""
+    x = _x(attn, 47, 5)
+    positions = torch.tensor([43, 44, 45, 46])
+    ours = hf_ref.indexer_selection(attn, x, positions)
+    assert _as_sets(ours) == _as_sets(_hf_indices(attn, x)[positions])
+
+
+def test_selection_short_context_is_dense(attn):
+    x = _x(attn, 11, 6)
+    ours = hf_ref.indexer_selection(attn, x)
+    assert _as_sets(ours) == [set(range(t + 1)) for t in range(11)] == _as_sets(_hf_indices(attn, x))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sparse latent attention
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _expanded_reference(q_nope, latent, kv_b, indices, H, dn, dv, scale):
+    """Plain MHA per query and head over explicitly expanded keys/values of the selected tokens."""
+    kv = (latent @ kv_b.t()).view(-1, H, dn + dv)
+    k, v = kv[..., :dn], kv[..., dn:]
+    out = torch.zeros(q_nope.shape[0], H, dv)
+    for t, row in enumerate(indices.tolist()):
+        sel = [i for i in row if i >= 0]
+        for h in range(H):
+            p = torch.softmax(k[sel, h] @ q_nope[t, h] * scale, dim=0)
+            out[t, h] = p @ v[sel, h]
+    return out
+
+
+@pytest.mark.parametrize("pad_to", [None, 64])
+def test_sparse_latent_attention_equals_expanded_mha(pad_to):
+    """Gather path (S > 2N) and masked path (indices padded with -1 until N >= S/2) vs expanded MHA."""
+    gen = torch.Generator().manual_seed(7)
+    S, H, dn, dv, L = 30, 3, 8, 6, 10
+    latent = torch.randn(S, L, generator=gen)
+    kv_b = torch.randn(H * (dn + dv), L, generator=gen) * 0.3
+    q_nope = torch.randn(S, H, dn, generator=gen)
+    scores = torch.randn(S, S // 4, generator=gen)
+    indices = ix.select_tokens(scores, torch.arange(S), 8, 4)
+    if pad_to:
+        indices = torch.nn.functional.pad(indices, (0, pad_to - indices.shape[1]), value=-1)
+    w_uk, w_uv = mla.split_kv_b(kv_b, H, dn, dv)
+    o_lat = mla.sparse_latent_attention(mla.absorb_q(q_nope, w_uk), latent, indices, 0.25)
+    out = mla.apply_uv(o_lat, w_uv)
+    ref = _expanded_reference(q_nope, latent, kv_b, indices, H, dn, dv, 0.25)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    # tiny chunks give the same result
+    o_small = mla.sparse_latent_attention(mla.absorb_q(q_nope, w_uk), latent, indices, 0.25, max_chunk_elems=1)
+    torch.testing.assert_close(o_small, o_lat, rtol=0, atol=1e-6)
+
+
+def test_sparse_latent_attention_empty_row_and_bf16():
+    gen = torch.Generator().manual_seed(8)
+    q, latent = torch.randn(2, 2, 4, generator=gen).bfloat16(), torch.randn(5, 4, generator=gen).bfloat16()
+    indices = torch.tensor([[-1, -1, -1], [4, 0, -1]])
+    out = mla.sparse_latent_attention(q, latent, indices, 0.5)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out[0].float(), torch.zeros(2, 4))
+    p = torch.softmax(q[1].float() @ latent[[4, 0]].float().t() * 0.5, dim=-1)
+    torch.testing.assert_close(out[1].float(), p @ latent[[4, 0]].float(), rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# whole MLA layer vs transformers (full indexer layer 3 and shared layer 4)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_mla_layer_with_indexer_matches_hf(model, attn):
+    x = _x(attn, 40, 9)
+    mask = torch.ones(1, 40, dtype=torch.bool)
+    with torch.no_grad():
+        ref, _, hf_indices = attn(x.unsqueeze(0), attention_mask=mask)
+    indices = hf_ref.indexer_selection(attn, x)
+    torch.testing.assert_close(hf_ref.mla_layer_forward(attn, x, indices), ref[0], rtol=0, atol=1e-5)
+
+    shared = hf_ref.layer(model, 4).self_attn
+    assert shared.indexer is None
+    with torch.no_grad():
+        ref4, _, _ = shared(x.unsqueeze(0), attention_mask=mask, prev_topk_indices=hf_indices)
+    torch.testing.assert_close(hf_ref.mla_layer_forward(shared, x, indices), ref4[0], rtol=0, atol=1e-5)

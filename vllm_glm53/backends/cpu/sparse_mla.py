@@ -1,0 +1,93 @@
+"""Absorbed NoPE sparse MLA over the cached latent, plain PyTorch — architecture.md section 6.
+
+Per head h, with ``[W_UK[h]; W_UV[h]]`` the rows of ``kv_b_proj`` for that head and ``c_s`` the normalised
+latent (``kv_a_layernorm`` output) of token s:
+    q_lat[t, h] = W_UK[h]^T q_nope[t, h]
+    o_lat[t, h] = sum_{s in S_t} softmax_s(scale * q_lat[t, h] . c_s) c_s
+    o[t, h]     = W_UV[h] o_lat[t, h]
+which equals attention with ``k_s = W_UK[h] c_s``, ``v_s = W_UV[h] c_s`` restricted to the selected set S_t.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["split_kv_b", "absorb_q", "apply_uv", "sparse_latent_attention"]
+
+# Upper bound on the elements of one query chunk's intermediate (gathered latents or logits): ~64 MiB in fp32.
+_CHUNK_ELEMS = 1 << 24
+
+
+def split_kv_b(
+    kv_b_weight: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``kv_b_proj.weight [H*(dn+dv), L]`` (per head: dn key rows then dv value rows) into
+    ``w_uk [H, dn, L]`` and ``w_uv [H, dv, L]``."""
+    w = kv_b_weight.view(num_heads, nope_dim + v_dim, kv_b_weight.shape[-1])
+    return w[:, :nope_dim].contiguous(), w[:, nope_dim:].contiguous()
+
+
+def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """``q_lat[t, h] = W_UK[h]^T q_nope[t, h]``: ``[T, H, dn] x [H, dn, L] -> [T, H, L]`` in ``q_nope.dtype``."""
+    out = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype))  # [H, T, L]
+    return out.transpose(0, 1)
+
+
+def apply_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """``o[t, h] = W_UV[h] o_lat[t, h]``: ``[T, H, L] x [H, dv, L] -> [T, H, dv]`` in ``o_lat.dtype``."""
+    out = torch.bmm(o_lat.transpose(0, 1), w_uv.to(o_lat.dtype).transpose(1, 2))  # [H, T, dv]
+    return out.transpose(0, 1)
+
+
+def _masked_softmax(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim restricted to ``keep``; a row with nothing kept gives all zeros."""
+    logits = logits.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.nan_to_num(probs, nan=0.0)
+
+
+def sparse_latent_attention(
+    q_lat: torch.Tensor,
+    latent: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    max_chunk_elems: int = _CHUNK_ELEMS,
+) -> torch.Tensor:
+    """Attention of absorbed queries over the selected latent rows of one sequence.
+
+    q_lat: ``[Tq, H, L]`` (see :func:`absorb_q`); latent: ``[S, L]`` the normalised ``c_kv`` of positions
+    ``0..S-1``; indices: ``[Tq, N]`` positions to attend (distinct within a row, any order), -1 = unused;
+    scale: softmax scale (``qk_head_dim ** -0.5``). Returns ``o_lat [Tq, H, L]`` in ``q_lat.dtype`` (apply
+    :func:`apply_uv` next). Softmax and accumulation in float32; a query with no valid index gets zeros.
+
+    Two equivalent vectorised forms, chosen per call by cost: gather the N selected rows per query (long
+    contexts), or score all S rows and mask (when S is not much larger than N, e.g. dense prefill). Queries are
+    processed in chunks so no intermediate exceeds ``max_chunk_elems`` elements.
+    """
+    Tq, H, L = q_lat.shape
+    S = latent.shape[0]
+    N = indices.shape[1]
+    out = torch.empty(Tq, H, L, dtype=torch.float32, device=q_lat.device)
+    lat = latent.to(torch.float32)
+    gather = S > 2 * N
+    per_query = N * (L + H) if gather else H * S + S
+    step = max(1, max_chunk_elems // max(per_query, 1))
+
+    for start in range(0, Tq, step):
+        q = q_lat[start : start + step].to(torch.float32)  # [t, H, L]
+        idx = indices[start : start + step].to(torch.int64)
+        valid = idx >= 0
+        t = q.shape[0]
+        if gather:
+            kv = lat[idx.clamp(min=0)]  # [t, N, L]
+            logits = torch.bmm(q, kv.transpose(1, 2)) * scale  # [t, H, N]
+            probs = _masked_softmax(logits, valid.unsqueeze(1))
+            out[start : start + t] = torch.bmm(probs, kv)
+        else:
+            keep = torch.zeros(t, S + 1, dtype=torch.bool, device=q.device)
+            keep.scatter_(1, torch.where(valid, idx, S), True)
+            keep = keep[:, :S]
+            logits = torch.matmul(q, lat.t()) * scale  # [t, H, S]
+            probs = _masked_softmax(logits, keep.unsqueeze(1))
+            out[start : start + t] = torch.matmul(probs, lat)
+    return out.to(q_lat.dtype)
