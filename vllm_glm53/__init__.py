@@ -20,10 +20,21 @@ MODELS = {
     "Glm5NextForConditionalGeneration": ("vllm_glm53.model", "Glm5NextForConditionalGeneration"),
     "Glm5NextMTPModel": ("vllm_glm53.model", "Glm5NextMTPModel"),
 }
-TOKENIZER_MODES: dict[str, tuple[str, str]] = {}
-RENDERERS: dict[str, tuple[str, str]] = {}
-TOOL_PARSERS: dict[str, tuple[str, str]] = {}
-REASONING_PARSERS: dict[str, tuple[str, str]] = {}
+TOKENIZER_MODES: dict[str, tuple[str, str]] = {
+    "glm5_next": ("vllm_glm53.chat.tokenizer", "Glm5NextTokenizer"),
+}
+RENDERERS: dict[str, tuple[str, str]] = {
+    "glm5_next": ("vllm_glm53.chat.renderer", "Glm5NextRenderer"),
+}
+# glm45 and glm47 are one parser (as in vLLM, where both names map to the GLM-4.7 parser).
+TOOL_PARSERS: dict[str, tuple[str, str]] = {
+    "glm47": ("vllm_glm53.parsers.tool", "Glm47ToolParser"),
+    "glm45": ("vllm_glm53.parsers.tool", "Glm47ToolParser"),
+}
+REASONING_PARSERS: dict[str, tuple[str, str]] = {
+    "glm47": ("vllm_glm53.parsers.reasoning", "Glm47ReasoningParser"),
+    "glm45": ("vllm_glm53.parsers.reasoning", "Glm47ReasoningParser"),
+}
 
 _registered: list[str] | None = None
 

@@ -284,3 +284,139 @@ def vllm_env_names() -> frozenset[str]:
 def read_vllm_env(name: str):
     """Parse ``name`` from the current environment the way vLLM does (raises on values vLLM rejects)."""
     return importlib.import_module("vllm.envs").environment_variables[name]()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --- multimodal ---
+# (imported by vllm_glm53.model.vision, vllm_glm53.model.multimodal, the vision tests and
+# benchmarks/bench_vision.py; never from register())
+# ---------------------------------------------------------------------------------------------------------
+
+_MM_PROCESSING = ("vllm.multimodal.processing",)
+_LAZY_NAMES.update(
+    {
+        # registry and the three processor parts a multimodal model registers
+        "MULTIMODAL_REGISTRY": ("vllm.multimodal",),
+        "BaseProcessingInfo": _MM_PROCESSING,
+        "BaseDummyInputsBuilder": _MM_PROCESSING,
+        "BaseMultiModalProcessor": _MM_PROCESSING,
+        # prompt expansion and the layout of the processed tensors
+        "PromptReplacement": _MM_PROCESSING,
+        "PromptUpdateDetails": _MM_PROCESSING,
+        "MultiModalFieldConfig": ("vllm.multimodal.inputs",),
+        "MultiModalDataParser": ("vllm.multimodal.parse",),
+        # the model interface
+        "SupportsMultiModal": ("vllm.model_executor.models.interfaces",),
+        # vision layers
+        "QKVParallelLinear": ("vllm.model_executor.layers.linear",),
+    }
+)
+
+
+def read_model_json(model_config, filename: str) -> dict:
+    """A JSON file of the checkpoint (local directory or hub cache), or ``{}`` when it has none."""
+    from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
+
+    return get_hf_file_to_dict(filename, model_config.model, revision=model_config.revision) or {}
+
+
+def finish_loading(module) -> None:
+    """What vLLM's model loader does after ``load_weights``: let every layer's quantization method finalise
+    its weights (on CPU the unquantized linear repacks its weight for the GEMM it dispatches to)."""
+    for sub in module.modules():
+        method = getattr(sub, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(sub)
+
+
+class standalone_model_parallel:
+    """Context in which vLLM's parallel layers can be built and run outside an engine (unit tests,
+    benchmarks): a default ``VllmConfig`` and a gloo process group of ``tp_size`` ranks, torn down on exit.
+
+    Every rank of a ``tp_size > 1`` group enters it in its own process with the same ``init_method``.
+    """
+
+    def __init__(self, tp_size: int = 1, rank: int = 0, init_method: str | None = None) -> None:
+        self.tp_size, self.rank = tp_size, rank
+        self.init_method = init_method or f"tcp://127.0.0.1:{free_local_port()}"
+
+    def __enter__(self):
+        import os
+
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.distributed import parallel_state as ps
+
+        # vLLM's CPU worker names the ranks' shared-memory group after the rendezvous port; so do we.
+        self._saved_ident = os.environ.get("VLLM_DIST_IDENT")
+        os.environ["VLLM_DIST_IDENT"] = self.init_method.rsplit(":", 1)[-1]
+        self._config_ctx = set_current_vllm_config(VllmConfig())
+        self._config_ctx.__enter__()
+        ps.init_distributed_environment(world_size=self.tp_size, rank=self.rank, local_rank=self.rank,
+                                        distributed_init_method=self.init_method, backend="gloo")
+        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp_size)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import os
+
+        from vllm.distributed import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+        self._config_ctx.__exit__(*exc)
+        if self._saved_ident is None:
+            os.environ.pop("VLLM_DIST_IDENT", None)
+        else:
+            os.environ["VLLM_DIST_IDENT"] = self._saved_ident
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --- gpu backends ---
+# (imported by vllm_glm53.backends: which platform vLLM runs on, and the GPU kernels vLLM ships that the
+# plugin's CUDA backend can call; everything here answers "not available" rather than raising)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def platform_kind() -> str:
+    """``cuda``, ``rocm``, ``cpu`` or another vLLM platform name (``xpu``, ``tpu``, an out-of-tree one)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return "cuda"
+    if current_platform.is_rocm():
+        return "rocm"
+    if current_platform.is_cpu():
+        return "cpu"
+    return str(getattr(current_platform, "device_type", "") or "other")
+
+
+_FLASHMLA_SPARSE: list = []  # [function or None], filled on first ask
+
+
+def flashmla_sparse_fwd():
+    """FlashMLA's sparse attention forward (``q [Tq, Hq, d], kv [S, 1, d], indices [Tq, 1, W] int32 (-1 unused),
+    sm_scale -> (out [Tq, Hq, 512], max_logits, lse)``) when this vLLM build ships it and it supports the
+    current GPU (Hopper, Blackwell DC), else None. vLLM 0.32 keeps it in ``vllm.v1.attention.ops.flashmla``
+    (older releases: ``vllm.attention.ops.flashmla``, as ``flash_mla_sparse_prefill``)."""
+    if not _FLASHMLA_SPARSE:
+        fwd = None
+        for module in ("vllm.v1.attention.ops.flashmla", "vllm.attention.ops.flashmla"):
+            try:
+                ops = importlib.import_module(module)
+            except ImportError:
+                continue
+            supported = getattr(ops, "is_flashmla_sparse_supported", None)
+            if supported is not None and supported()[0]:
+                fwd = getattr(ops, "flash_mla_sparse_fwd", None) or getattr(ops, "flash_mla_sparse_prefill", None)
+            break
+        _FLASHMLA_SPARSE.append(fwd)
+    return _FLASHMLA_SPARSE[0]

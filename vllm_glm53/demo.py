@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+SERVED_NAME = "glm-5.3-tiny"
 MILESTONES = re.compile(
     r"vllm-glm53 .* registered|Resolved architecture|Loading weights took|model weights took|KV cache size|"
     r"init engine|Starting vLLM (API|server)|Application startup complete|Avg prompt throughput|ERROR|Error"
@@ -34,23 +35,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(checkpoint: Path, port: int) -> tuple[list[str], dict[str, str]]:
-    """The documented CPU command for the tiny checkpoint (see recipes/ for every platform)."""
-    vllm = str(Path(sys.executable).with_name("vllm"))
-    argv = [
-        vllm, "serve", str(checkpoint),
-        "--tokenizer-mode", "glm5_next",
-        "--tool-call-parser", "glm47", "--reasoning-parser", "glm47", "--enable-auto-tool-choice",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "2048", "--no-enable-prefix-caching", "--enforce-eager",
-        "--served-model-name", "glm-5.3-tiny",
-    ]
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; plenty for a tiny model
-        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-    }
-    return argv, env
+def serve_command(checkpoint: Path, port: int, extra_args: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+    """The CPU recipe (``recipes/cpu-tiny.yaml``) for a local checkpoint: ``vllm serve`` argv and environment."""
+    from vllm_glm53.recipes import cpu_plan
+
+    launch = cpu_plan(checkpoint, port=port,
+                      extra_args=("--served-model-name", SERVED_NAME, *extra_args)).serve_launches()[0]
+    argv = [str(Path(sys.executable).with_name("vllm")), *launch.argv[1:]]  # this environment's vllm command
+    return argv, dict(launch.env)
 
 
 class Server:
@@ -148,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
         client = OpenAI(base_url=url + "/v1", api_key="unused")
         reply = client.chat.completions.create(
-            model="glm-5.3-tiny",
+            model=SERVED_NAME,
             messages=[{"role": "user", "content": "What is the weather like in Paris?"}],
             tools=[WEATHER_TOOL],
             reasoning_effort="high",
