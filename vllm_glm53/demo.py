@@ -48,7 +48,8 @@ def serve_command(checkpoint: Path, port: int, extra_args: tuple[str, ...] = ())
 class Server:
     """``vllm serve`` in a child process; echoes startup milestones and keeps the log for later lines."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], echo: bool = True) -> None:
+        self.echo = echo
         self.lines: list[str] = []
         self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -59,7 +60,7 @@ class Server:
         for line in self.proc.stdout:
             line = line.rstrip()
             self.lines.append(line)
-            if MILESTONES.search(line):
+            if self.echo and MILESTONES.search(line):
                 print(f"  [server] {line[-160:]}", flush=True)
 
     def wait_healthy(self, url: str, timeout: float = 600) -> None:
@@ -90,7 +91,9 @@ class Server:
 
     def stop(self) -> int:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
+            # Signal the API server alone: it shuts its engine processes down in order. Signalling the whole
+            # process group would kill the engine core under it first.
+            self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
