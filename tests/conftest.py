@@ -33,6 +33,14 @@ def tiny_ckpt(tmp_path_factory):
     return get
 
 
+class EngineRunError(AssertionError):
+    """The engine process failed; ``stderr`` holds its whole log (vLLM logs to stdout; both are merged)."""
+
+    def __init__(self, returncode: int, stderr: str) -> None:
+        super().__init__(f"engine run failed (rc={returncode}):\n{stderr[-6000:]}")
+        self.stderr = stderr
+
+
 def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=False, timeout=900,
                env=None) -> list[dict]:
     """Greedy generation through ``vllm.LLM`` in a fresh process; returns token ids (and logprobs) per prompt."""
@@ -45,9 +53,10 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
         spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
                                     "engine": engine or {}, "logprobs": logprobs, "ignore_eos": ignore_eos}))
         proc = subprocess.run([sys.executable, str(TESTS / "engine_runner.py"), str(spec), str(out)],
-                              capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
         if proc.returncode != 0:
-            raise AssertionError(f"engine run failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+            raise EngineRunError(proc.returncode, proc.stdout)
         return json.loads(out.read_text())
 
 

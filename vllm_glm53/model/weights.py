@@ -5,6 +5,10 @@ The checkpoint layout is the released one (architecture.md §12): nested ``model
 model fuses some of them (q|k|v, gate|up) and shards them over TP ranks through each parameter's
 ``weight_loader``. Every tensor must land somewhere and every parameter must be filled: anything else is a
 :class:`CheckpointError` naming the tensors, before the engine starts.
+
+Quantized checkpoints (:mod:`vllm_glm53.quant`): a block-FP8 weight is paired with its ``weight_scale_inv``
+as they stream in, and the module it lands in decides what to keep (``quant.fp8.block_fp8_parts``); w8a8
+``weight_scale`` / ``weight_offset`` tensors follow their weight into the same (fused) parameters.
 """
 
 from __future__ import annotations
@@ -16,25 +20,29 @@ import torch
 from torch import nn
 
 from vllm_glm53._vllm import default_weight_loader
+from vllm_glm53.quant.fp8 import BlockFp8Weight, Fp8Pairing, block_fp8_parts
+from vllm_glm53.quant.w8a8 import MTP_ROTATION
 
 
 class CheckpointError(ValueError):
     """The checkpoint does not match the model its config describes."""
 
 
-# Checkpoint sub-name -> (parameter sub-name, shard id) for the fused projections.
+# Checkpoint module -> (serving module, shard id) for the fused projections.
 _FUSED = {
-    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
-    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
-    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
-    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
-    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
-    "mlp.shared_experts.gate_proj.weight": ("mlp.shared_experts.gate_up_proj.weight", 0),
-    "mlp.shared_experts.up_proj.weight": ("mlp.shared_experts.gate_up_proj.weight", 1),
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_experts.gate_proj": ("mlp.shared_experts.gate_up_proj", 0),
+    "mlp.shared_experts.up_proj": ("mlp.shared_experts.gate_up_proj", 1),
 }
+# What a (possibly quantized) linear module stores: weight, w8a8 scale/offset, block-FP8 scale.
+_LINEAR_LEAVES = ("weight", "weight_scale", "weight_offset", "weight_scale_inv")
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)$")
 _CONV = re.compile(r"self_attn\.([qkv])_conv1d\.weight$")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_offset)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -55,22 +63,39 @@ class WeightLoader:
         self.layer_offset = layer_offset  # the MTP module maps checkpoint layer N to its block 0
         self.skip_prefixes = skip_prefixes
         self.params = dict(root.named_parameters())
+        self.module_params: dict[str, dict[str, nn.Parameter]] = {}
+        for name, param in self.params.items():
+            module, _, leaf = name.rpartition(".")
+            self.module_params.setdefault(module, {})[leaf] = param
         self.loaded: set[str] = set()
         self.unexpected: list[str] = []
         self.skipped = 0
+        self._target: tuple[str, tuple[int, ...]] | None = None  # the parameter being filled, for errors
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        fp8 = Fp8Pairing()
         for raw_name, tensor in weights:
             name = canonical_name(raw_name)
-            if name.startswith(self.skip_prefixes):
+            # The QuaRot rotation of w8a8 checkpoints belongs to the MTP layer's input.
+            if name.startswith(self.skip_prefixes) or (name == MTP_ROTATION and self.layer_offset == 0):
                 self.skipped += 1
                 continue
             try:
+                if Fp8Pairing.wants(name, tensor):
+                    paired = fp8.add(name, tensor)
+                    if paired is None:
+                        continue  # the other half of this FP8 weight is still to come
+                    name, tensor = paired
                 self._load_one(name, tensor)
             except CheckpointError:
                 raise
-            except Exception as e:  # shape mismatch and friends: name the tensor
-                raise CheckpointError(f"cannot load checkpoint tensor {raw_name} {tuple(tensor.shape)}: {e}") from e
+            except Exception as e:  # shape mismatch and friends: name the tensor and where it was going
+                target = self._target
+                into = f" into {target[0]} {target[1]}" if target else ""
+                raise CheckpointError(f"cannot load checkpoint tensor {raw_name} {tuple(tensor.shape)}{into} "
+                                      f"(shape on this tensor-parallel rank): {e or type(e).__name__}") from e
+        if fp8.unpaired():
+            raise CheckpointError(f"FP8 tensors without their other half: {', '.join(fp8.unpaired()[:12])}")
         return self.loaded
 
     def check_complete(self, optional: Iterable[str] = ()) -> None:
@@ -87,10 +112,10 @@ class WeightLoader:
 
     # --------------------------------------------------------------------------------------------------------
 
-    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+    def _load_one(self, name: str, tensor: torch.Tensor | BlockFp8Weight) -> None:
         m = _LAYER.match(name)
         if m is None:
-            self._direct(name, tensor)
+            self._linear_or_direct(name, tensor)
             return
         layer = int(m.group(1)) - self.layer_offset
         sub = m.group(2)
@@ -98,9 +123,10 @@ class WeightLoader:
             self.skipped += 1  # another module's layer (the MTP layer for the main model, and vice versa)
             return
         base = f"model.layers.{layer}."
-        if sub in _FUSED:
-            target, shard = _FUSED[sub]
-            self._sharded(base + target, tensor, shard)
+        module, _, leaf = sub.rpartition(".")
+        if module in _FUSED and leaf in _LINEAR_LEAVES:
+            target, shard = _FUSED[module]
+            self._linear(base + target, leaf, tensor, shard)
         elif mm := _HC.match(sub):
             self._direct(f"{base}{mm.group(1)}_hc.{mm.group(2)}", tensor)
         elif mm := _CONV.match(sub):
@@ -109,20 +135,44 @@ class WeightLoader:
             self.loaded.add(base + "self_attn.conv_weight")
         elif mm := _EXPERT.match(sub):
             moe = self.root.get_submodule(base + "mlp")
-            moe.load_expert(int(mm.group(1)), mm.group(2), tensor)
-            self.loaded.update({base + "mlp.w13", base + "mlp.w2"})
+            filled = moe.load_expert(int(mm.group(1)), mm.group(2), mm.group(3), tensor)
+            self.loaded.update(base + "mlp." + n for n in filled)
         elif sub in ("self_attn.dt_bias", "self_attn.A_log"):
             param = self._param(base + sub)
             if param is not None:
                 self.root.get_submodule(base + "self_attn").load_sharded_vector(param, tensor)
                 self.loaded.add(base + sub)
         else:
-            self._direct(base + sub, tensor)
+            self._linear_or_direct(base + sub, tensor)
+
+    def _linear_or_direct(self, name: str, tensor: torch.Tensor | BlockFp8Weight) -> None:
+        if isinstance(tensor, BlockFp8Weight):
+            self._linear(name[: -len(".weight")], "weight", tensor, None)
+        else:
+            self._direct(name, tensor)
+
+    def _linear(self, module: str, leaf: str, tensor: torch.Tensor | BlockFp8Weight, shard: int | None) -> None:
+        """One tensor of linear ``module`` (a shard of it when fused); FP8 pairs become what the module keeps."""
+        if isinstance(tensor, BlockFp8Weight):
+            params = self.module_params.get(module)
+            if params is None or "weight" not in params:
+                self.unexpected.append(f"{module}.weight")
+                return
+            parts = block_fp8_parts(tensor, params)
+        else:
+            parts = [(leaf, tensor)]
+        for part_leaf, part in parts:
+            if shard is None:
+                self._direct(f"{module}.{part_leaf}", part)
+            else:
+                self._sharded(f"{module}.{part_leaf}", part, shard)
 
     def _param(self, name: str) -> nn.Parameter | None:
         param = self.params.get(name)
         if param is None:
             self.unexpected.append(name)
+        else:
+            self._target = (name, tuple(param.shape))
         return param
 
     def _direct(self, name: str, tensor: torch.Tensor) -> None:
