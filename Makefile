@@ -6,7 +6,7 @@ STAMP := $(VENV)/.glm53-setup
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench clean
+.PHONY: setup setup-triton demo test clean
 
 setup: $(STAMP)
 
@@ -18,8 +18,14 @@ $(STAMP): setup.py pyproject.toml scripts/setup-cpu.sh
 demo: setup
 	$(PY) -m vllm_glm53.demo
 
-test: setup
+# setup-triton: the GPU kernels are also tested on the CPU through Triton's interpreter, in their own venv.
+test: setup setup-triton
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-triton build *.egg-info
+
+# The separate environment in which tests/test_gpu_backends_interpreter.py runs the GPU kernels (fla-core,
+# Triton) on the CPU through Triton's interpreter; fla-core must stay out of .venv. Quick when up to date.
+setup-triton:
+	bash scripts/setup-triton-venv.sh

