@@ -42,8 +42,9 @@ class EngineRunError(AssertionError):
 
 
 def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=False, timeout=900,
-               env=None) -> list[dict]:
-    """Greedy generation through ``vllm.LLM`` in a fresh process; returns token ids (and logprobs) per prompt."""
+               env=None, metrics=False):
+    """Greedy generation through ``vllm.LLM`` in a fresh process; returns token ids (and logprobs) per prompt,
+    and with ``metrics=True`` also the engine's counters: ``(results, {name: value})``."""
     import tempfile
 
     if isinstance(max_tokens, int):
@@ -51,13 +52,17 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
     with tempfile.TemporaryDirectory() as d:
         spec, out = Path(d) / "spec.json", Path(d) / "out.json"
         spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
-                                    "engine": engine or {}, "logprobs": logprobs, "ignore_eos": ignore_eos}))
+                                    "engine": engine or {}, "logprobs": logprobs, "ignore_eos": ignore_eos,
+                                    "metrics": metrics}))
         proc = subprocess.run([sys.executable, str(TESTS / "engine_runner.py"), str(spec), str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
         if proc.returncode != 0:
             raise EngineRunError(proc.returncode, proc.stdout)
-        return json.loads(out.read_text())
+        results = json.loads(out.read_text())
+        if metrics:
+            return results, json.loads(Path(str(out) + ".metrics.json").read_text())
+        return results
 
 
 def hf_model(path, dtype="float32"):

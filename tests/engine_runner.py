@@ -3,12 +3,24 @@
     python tests/engine_runner.py SPEC.json OUT.json
 
 SPEC: {"model": path, "prompts": [[ids...], ...], "max_tokens": [n, ...], "engine": {LLM kwargs},
-       "ignore_eos": bool, "logprobs": k}
+       "ignore_eos": bool, "logprobs": k, "metrics": bool}
+With "metrics", the engine's counters and gauges (vllm:*) are written to OUT.metrics.json.
+OUT: one {"token_ids", "logprobs", "prompt_token_ids"} per prompt (prompt ids as the engine saw them).
+
+Multimodal additions (optional):
+    "mm_data": one entry per prompt, null or {"image": [IMG.npy, ...], "video": [{"frames": FRAMES.npy,
+               "metadata": {...}}, ...]} (uint8 HWC images, uint8 [frames, H, W, 3] videos);
+    "rejected": [{"prompt": [ids...], "mm_data": {...}}, ...]: requests submitted one by one after the batch,
+                each expected to fail; OUT records each one's error message (null if it was accepted);
+    "model_attrs": [name, ...]: OUT records, per worker, the class name of each of the model's attributes
+                   ("NoneType" for one set to None).
+With "rejected" or "model_attrs", OUT is {"outputs": [...], "rejected": [...], "model_attrs": [...]}.
 Each engine scenario runs in its own process: vLLM on CPU spawns its engine core and workers, and a fresh
 process per scenario keeps tests independent of each other's engine teardown.
 """
 
 import json
+import operator
 import os
 import sys
 
@@ -16,25 +28,69 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def _multi_modal_data(entry: dict) -> dict:
+    import numpy as np
+    from PIL import Image
+
+    data = {}
+    if entry.get("image"):
+        data["image"] = [Image.fromarray(np.load(path)) for path in entry["image"]]
+    if entry.get("video"):
+        data["video"] = [(np.load(v["frames"]), v["metadata"]) for v in entry["video"]]
+    return data
+
+
+def _prompt(ids: list[int], mm_entry: dict | None) -> dict:
+    prompt = {"prompt_token_ids": ids}
+    if mm_entry:
+        prompt["multi_modal_data"] = _multi_modal_data(mm_entry)
+    return prompt
+
+
 def main(spec_path: str, out_path: str) -> None:
+    spec = json.load(open(spec_path))
+    if spec.get("model_attrs"):
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # LLM.apply_model ships a function to workers
     from vllm import LLM, SamplingParams
 
-    spec = json.load(open(spec_path))
     engine = dict(max_model_len=1024, enforce_eager=True, enable_prefix_caching=False, dtype="float32")
     engine.update(spec.get("engine", {}))
+    if spec.get("metrics"):
+        engine["disable_log_stats"] = False  # LLM() keeps no statistics otherwise
     llm = LLM(model=spec["model"], **engine)
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=spec.get("ignore_eos", False),
                        logprobs=spec.get("logprobs", 0))
         for n in spec["max_tokens"]
     ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params)
+    mm_data = spec.get("mm_data") or [None] * len(spec["prompts"])
+    outs = llm.generate([_prompt(p, m) for p, m in zip(spec["prompts"], mm_data)], params)
     result = []
     for o in outs:
         c = o.outputs[0]
         lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])] if c.logprobs else []
-        result.append({"token_ids": list(c.token_ids), "logprobs": lps})
-    json.dump(result, open(out_path, "w"))
+        result.append({"token_ids": list(c.token_ids), "logprobs": lps, "prompt_token_ids": list(o.prompt_token_ids)})
+    if spec.get("metrics"):  # counters and gauges by name, next to OUT
+        metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+        json.dump(metrics, open(out_path + ".metrics.json", "w"))
+    if "rejected" not in spec and "model_attrs" not in spec:
+        json.dump(result, open(out_path, "w"))
+        return
+    rejected = []
+    for request in spec.get("rejected", []):
+        try:
+            llm.generate([_prompt(request["prompt"], request.get("mm_data"))], SamplingParams(max_tokens=1))
+            rejected.append(None)
+        except Exception as e:  # what a client would see as the request's error
+            rejected.append(f"{type(e).__name__}: {e}")
+    attrs = []
+    if spec.get("model_attrs"):
+        names = spec["model_attrs"]
+        # An attrgetter pickles by value into the workers, where a local function would not.
+        probe = operator.attrgetter(*(f"{n}.__class__.__name__" for n in names))
+        per_worker = llm.apply_model(probe)
+        attrs = [dict(zip(names, (v,) if len(names) == 1 else v)) for v in per_worker]
+    json.dump({"outputs": result, "rejected": rejected, "model_attrs": attrs}, open(out_path, "w"))
 
 
 if __name__ == "__main__":

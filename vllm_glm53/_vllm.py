@@ -27,6 +27,8 @@ def _first_module(*names: str):
 def register_model(arch: str, module: str, cls: str) -> None:
     from vllm import ModelRegistry
 
+    if ascend_glm5next_module() is not None:  # vllm-ascend serves GLM5Next itself (section "quantization")
+        return
     ModelRegistry.register_model(arch, f"{module}:{cls}")
 
 
@@ -66,7 +68,9 @@ def register_reasoning_parser(name: str, module: str, cls: str) -> None:
 
 def register_extras() -> list[str]:
     """Registrations that need more than a lazy name (quantization configs, ...). Returns what was done."""
-    return []
+    from vllm_glm53.quant.configs import register_configs
+
+    return register_configs()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -420,3 +424,84 @@ def flashmla_sparse_fwd():
             break
         _FLASHMLA_SPARSE.append(fwd)
     return _FLASHMLA_SPARSE[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --- quantization ---
+# (imported by vllm_glm53.quant and the layers it builds; register() reaches only the light part through
+# register_extras: vLLM's quantization package, the model registry, import specs)
+# ---------------------------------------------------------------------------------------------------------
+
+_LINEAR = ("vllm.model_executor.layers.linear",)
+_PARAMETER = ("vllm.model_executor.parameter",)
+_LAZY_NAMES.update(
+    {
+        "QuantizationConfig": ("vllm.model_executor.layers.quantization.base_config",),
+        "LinearBase": _LINEAR,
+        "LinearMethodBase": _LINEAR,
+        "UnquantizedLinearMethod": _LINEAR,
+        # a linear method whose parameters shard through the vLLMParameter loaders (the "v2" path)
+        "register_weight_loader_v2_supported_method": _LINEAR,
+        "ModelWeightParameter": _PARAMETER,
+        "ChannelQuantScaleParameter": _PARAMETER,
+        "get_current_vllm_config_or_none": ("vllm.config",),
+        # CUDA/ROCm: vLLM's block-FP8 methods and fused MoE serve the FP8 layers natively
+        "Fp8Config": ("vllm.model_executor.layers.quantization.fp8",),
+        "FusedMoEFactory": ("vllm.model_executor.layers.fused_moe.layer", "vllm.model_executor.layers.fused_moe"),
+    }
+)
+
+
+def register_quantization_config(name: str, config_cls) -> None:
+    from vllm.model_executor.layers.quantization import register_quantization_config as register
+
+    register(name)(config_cls)
+
+
+def quantization_methods() -> list[str]:
+    """Every ``--quantization`` name this process knows (vLLM's and registered ones)."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    return list(QUANTIZATION_METHODS)
+
+
+_GLM5NEXT_ARCHS = ("Glm5NextForCausalLM", "Glm5NextForConditionalGeneration")
+# Where GLM5Next-aware vllm-ascend builds keep the model (PR #15127 and the forks it came from, ascend.md §1.3).
+_ASCEND_GLM5NEXT_MODULES = ("vllm_ascend.models.glm5_next", "vllm_ascend.models.glm5next")
+
+
+def ascend_glm5next_module() -> str | None:
+    """On an Ascend NPU whose vllm-ascend ships GLM5Next: the module that serves it, else None.
+
+    vLLM's model registry is last-writer-wins and general plugins load in no fixed order, so both orders are
+    covered: vllm-ascend's registration already in the registry, or its model module present on disk (its
+    registration still to come). Nothing of vllm-ascend is imported beyond what ``find_spec`` needs.
+    """
+    from importlib.util import find_spec
+
+    if find_spec("vllm_ascend") is None or platform_kind() != "npu":
+        return None
+    from vllm import ModelRegistry
+
+    for arch in _GLM5NEXT_ARCHS:
+        module = getattr(ModelRegistry.models.get(arch), "module_name", "")
+        if module.startswith("vllm_ascend"):
+            return module
+    for module in _ASCEND_GLM5NEXT_MODULES:
+        try:
+            if find_spec(module) is not None:
+                return module
+        except ModuleNotFoundError:
+            continue
+    return None
+
+
+def multimodal_processor(model: str, **model_config_kwargs):
+    """vLLM's multimodal processor for ``model`` as the engine's front-end builds it, without an engine
+    (tests): the general plugins loaded, a ``ModelConfig``, the processor registered for its architecture."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    return MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=str(model), **model_config_kwargs))

@@ -1,13 +1,17 @@
 """Build tiny random GLM-5.3-Flash checkpoints for tests, demos and benchmarks.
 
     python -m vllm_glm53.tiny OUT_DIR [--config FILE.json] [--seed N] [--dtype float32|bfloat16]
-                                     [--fp8] [--layout nested|flat]
+                                     [--fp8 | --w8a8] [--layout nested|flat]
 
 The weights come from transformers' own ``Glm5NextForConditionalGeneration`` (so transformers loads the very
 same files as the numerical reference), plus the MTP layer transformers does not model, a
 ``generation_config.json`` and a real byte-level BPE tokenizer carrying all 36 GLM-5.3 added tokens.
 The default config is small but exercises every code path: KDA and sparse-MLA layers, dense and MoE MLPs,
 ``full`` and ``shared`` indexer layers, mHC, MTP and the vision tower.
+
+``--fp8`` stores the MLP and expert weights in block FP8 like the released checkpoint; ``--w8a8`` writes what
+msmodelslim makes for Ascend A2/A3 instead (int8 MLP and expert weights with per-channel scales, a
+``quant_model_description.json``, no ``quantization_config``, and the QuaRot ``rot.safetensors``).
 """
 
 from __future__ import annotations
@@ -210,10 +214,37 @@ def _mtp_tensors(hf_config, generator) -> dict:
     return out
 
 
-def _is_fp8_candidate(name: str) -> bool:
-    """Linear weights the released FP8 checkpoint stores as block FP8: dense MLPs, shared and routed experts
-    (architecture.md §12.2). The loader never relies on this list: it looks for ``weight_scale_inv``."""
-    return name.endswith(("_proj.weight",)) and ".mlp." in name and ".mlp.gate." not in name
+def _is_quant_candidate(name: str) -> bool:
+    """Linear weights the released FP8 and w8a8 checkpoints store quantized: the language model's dense MLPs,
+    shared and routed experts, the MTP layer's included (architecture.md §12.2, ascend.md §5); the vision tower
+    stays BF16. The loader never relies on this list: it looks for ``weight_scale_inv`` or the description."""
+    return (name.endswith("_proj.weight") and ".mlp." in name and ".mlp.gate." not in name
+            and not name.startswith("model.visual."))
+
+
+def _write_w8a8(out: Path, tensors: dict, quantized: list[str], rotation) -> None:
+    """The msmodelslim AscendV1 files (ascend.md §5): weights, their index, the description, the rotation."""
+    from safetensors.torch import save_file
+
+    from vllm_glm53.quant import w8a8
+
+    weights_file, rot_file = "quant_model_weights.safetensors", "rot.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / weights_file), metadata={"format": "pt"})
+    save_file({w8a8.MTP_ROTATION: rotation.contiguous()}, str(out / rot_file), metadata={"format": "pt"})
+    weight_map = {name: weights_file for name in tensors} | {w8a8.MTP_ROTATION: rot_file}
+    size = sum(t.numel() * t.element_size() for t in tensors.values()) + rotation.numel() * rotation.element_size()
+    index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / f"{weights_file}.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    modules = set(quantized)
+    description = {
+        "version": "1.0.0", "model_quant_type": w8a8.W8A8_DYNAMIC, "group_size": 0, "metadata": {},
+        "optional": {"quarot": {"rotation_map": {"global_rotation": f"optional/{rot_file}"}}},
+        "is_rot_used": True,
+    }
+    for name in sorted(tensors):
+        description[name] = w8a8.W8A8_DYNAMIC if name.rpartition(".")[0] in modules else w8a8.FLOAT
+    description[w8a8.MTP_ROTATION] = w8a8.FLOAT
+    (out / w8a8.DESCRIPTION_FILE).write_text(json.dumps(description, indent=2) + "\n")
 
 
 def build_checkpoint(
@@ -223,6 +254,7 @@ def build_checkpoint(
     dtype: str = "float32",
     fp8: bool = False,
     layout: str = "nested",
+    w8a8: bool = False,
 ) -> Path:
     """Write a tiny checkpoint to ``out_dir`` and return its path."""
     import torch
@@ -233,6 +265,8 @@ def build_checkpoint(
         raise ValueError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
     if layout not in ("nested", "flat"):
         raise ValueError(f"--layout must be nested or flat, not {layout!r}")
+    if fp8 and w8a8:
+        raise ValueError("--fp8 and --w8a8 are two different checkpoints; pick one")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     token_ids = write_tokenizer(out)
@@ -270,7 +304,7 @@ def build_checkpoint(
     quantized: list[str] = []
     for name, t in tensors.items():
         t = t.float()
-        if fp8 and _is_fp8_candidate(name):
+        if fp8 and _is_quant_candidate(name):
             from vllm_glm53.quant.fp8_block import quantize_block_fp8
 
             w8, scale_inv = quantize_block_fp8(t)
@@ -278,8 +312,21 @@ def build_checkpoint(
             final[name[: -len("weight")] + "weight_scale_inv"] = scale_inv
             quantized.append(name[: -len(".weight")])
             continue
+        if w8a8 and _is_quant_candidate(name):
+            from vllm_glm53.quant.w8a8 import quantize_weight
+
+            module = name[: -len(".weight")]
+            final[name], final[f"{module}.weight_scale"], final[f"{module}.weight_offset"] = quantize_weight(t)
+            quantized.append(module)
+            continue
         final[name] = t if name.endswith(FP32_SUFFIXES) else t.to(target)
-    save_file({k: v.contiguous() for k, v in final.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if w8a8:
+        # QuaRot folds no rotation here (Q = I), so the MTP input rotation is Q^T diag(final norm) Q = diag(norm).
+        norm = tensors["model.norm.weight" if layout == "flat" else "model.language_model.norm.weight"]
+        _write_w8a8(out, final, quantized, torch.diag(norm.float()).to(target))
+    else:
+        save_file({k: v.contiguous() for k, v in final.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
 
     config_json = _config_json(cfg_dict, layout, dtype)
     if fp8:
@@ -319,11 +366,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", help="JSON file of overrides for the text config (and vision_config)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--fp8", action="store_true", help="store MLP weights as block-FP8 like the release")
+    quant = parser.add_mutually_exclusive_group()
+    quant.add_argument("--fp8", action="store_true", help="store MLP weights as block-FP8 like the release")
+    quant.add_argument("--w8a8", action="store_true",
+                       help="store MLP weights as msmodelslim W8A8_DYNAMIC (the Ascend A2/A3 checkpoint)")
     parser.add_argument("--layout", choices=["nested", "flat"], default="nested")
     args = parser.parse_args(argv)
     overrides = json.loads(Path(args.config).read_text()) if args.config else None
-    path = build_checkpoint(args.out_dir, overrides, args.seed, args.dtype, args.fp8, args.layout)
+    path = build_checkpoint(args.out_dir, overrides, args.seed, args.dtype, args.fp8, args.layout, args.w8a8)
     print(f"wrote tiny GLM-5.3 checkpoint to {path}")
 
 

@@ -5,6 +5,7 @@ Registering this package rather than a plain module matters: vLLM caches what it
 file in it, so edits to any layer here invalidate the cache.
 """
 
-from vllm_glm53.model.model import Glm5NextForCausalLM, Glm5NextForConditionalGeneration, Glm5NextMTPModel
+from vllm_glm53.model.model import Glm5NextForCausalLM, Glm5NextForConditionalGeneration
+from vllm_glm53.model.mtp import Glm5NextMTPModel
 
 __all__ = ["Glm5NextForCausalLM", "Glm5NextForConditionalGeneration", "Glm5NextMTPModel"]

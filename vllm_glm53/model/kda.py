@@ -23,6 +23,7 @@ from vllm_glm53._vllm import (
 )
 from vllm_glm53.backends import kda_ops
 from vllm_glm53.config import TextArch
+from vllm_glm53.quant.plan import layer_quant
 
 
 def kda_state_shapes(arch: TextArch, tp_size: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -53,21 +54,23 @@ class Glm5NextKDA(nn.Module, MambaBase):
         self.heads = H // tp
         self.head_dim = d
         proj = H * d
+        qc = layer_quant()  # the checkpoint's quantized projections, if any (GLM-5.3 stores KDA in BF16)
 
-        self.qkv_proj = MergedColumnParallelLinear(D, [proj] * 3, bias=False, prefix=f"{prefix}.qkv_proj")
+        self.qkv_proj = MergedColumnParallelLinear(D, [proj] * 3, bias=False, quant_config=qc,
+                                                   prefix=f"{prefix}.qkv_proj")
         # Checkpoint q/k/v_conv1d.weight [H*d, 1, K] each; this rank keeps its heads' channels, q|k|v order.
         self.conv_weight = nn.Parameter(torch.empty(3 * self.heads * d, arch.conv_kernel, dtype=torch.float32),
                                         requires_grad=False)
-        self.f_a_proj = ReplicatedLinear(D, d, bias=False, prefix=f"{prefix}.f_a_proj")
-        self.f_b_proj = ColumnParallelLinear(d, proj, bias=False, prefix=f"{prefix}.f_b_proj")
+        self.f_a_proj = ReplicatedLinear(D, d, bias=False, quant_config=qc, prefix=f"{prefix}.f_a_proj")
+        self.f_b_proj = ColumnParallelLinear(d, proj, bias=False, quant_config=qc, prefix=f"{prefix}.f_b_proj")
         self.dt_bias = nn.Parameter(torch.empty(self.heads * d, dtype=torch.float32), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.heads, dtype=torch.float32), requires_grad=False)
-        self.b_proj = ColumnParallelLinear(D, H, bias=False, prefix=f"{prefix}.b_proj")
-        self.g_a_proj = ReplicatedLinear(D, d, bias=False, prefix=f"{prefix}.g_a_proj")
-        self.g_b_proj = ColumnParallelLinear(d, proj, bias=False, prefix=f"{prefix}.g_b_proj")
+        self.b_proj = ColumnParallelLinear(D, H, bias=False, quant_config=qc, prefix=f"{prefix}.b_proj")
+        self.g_a_proj = ReplicatedLinear(D, d, bias=False, quant_config=qc, prefix=f"{prefix}.g_a_proj")
+        self.g_b_proj = ColumnParallelLinear(d, proj, bias=False, quant_config=qc, prefix=f"{prefix}.g_b_proj")
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(d), requires_grad=False)
-        self.o_proj = RowParallelLinear(proj, D, bias=False, prefix=f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(proj, D, bias=False, quant_config=qc, prefix=f"{prefix}.o_proj")
 
         vllm_config = _vllm.get_current_vllm_config()
         ctx = vllm_config.compilation_config.static_forward_context
@@ -133,8 +136,21 @@ class Glm5NextKDA(nn.Module, MambaBase):
         if meta is None:  # profiling / dummy run: one fresh sequence, nothing kept
             out[:] = self._prefill(qkv, g, beta, None, None)
             return out
-        if getattr(meta, "num_spec_decodes", 0):
-            raise NotImplementedError("speculative decoding of KDA layers is not supported yet")
+        if meta.num_spec_decodes:
+            # With drafts in the batch, vLLM lists the draft-verifying tokens and the others separately.
+            spec = meta.spec_token_indx.long()
+            out[spec] = self._verify_drafts(qkv[spec], g[spec], beta[spec], meta)
+            if meta.num_prefills or meta.num_decodes:
+                rest = meta.non_spec_token_indx.long()
+                out[rest] = self._plain(qkv[rest], g[rest], beta[rest], meta)
+        else:
+            n = meta.num_actual_tokens
+            out[:n] = self._plain(qkv[:n], g[:n], beta[:n], meta)
+        return out
+
+    def _plain(self, qkv, g, beta, meta) -> torch.Tensor:
+        """Single-token decodes (first in the batch) and prefills, one state slot per sequence."""
+        out = torch.empty(qkv.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=qkv.device)
         conv_pool, state_pool = self.kv_cache
         slots = meta.non_spec_state_indices_tensor
         qsl = meta.non_spec_query_start_loc.tolist()
@@ -157,6 +173,32 @@ class Glm5NextKDA(nn.Module, MambaBase):
             else:
                 conv0 = state0 = None
             out[lo:hi] = self._prefill(qkv[lo:hi], g[lo:hi], beta[lo:hi], conv0, state0, slot)
+        return out
+
+    def _verify_drafts(self, qkv, g, beta, meta) -> torch.Tensor:
+        """Tokens that verify speculative drafts. Each such sequence owns ``1 + num_speculative_tokens`` state
+        slots: the step starts from the slot of its last accepted token (``num_accepted_tokens - 1``) and the
+        state after its i-th token goes to slot i, so whatever the sampler accepts, the next step finds the
+        state right after the last accepted token without recomputing anything."""
+        conv_pool, state_pool = self.kv_cache
+        n = meta.num_spec_decodes
+        slots = meta.spec_state_indices_tensor[:n].long()
+        qsl = meta.spec_query_start_loc[: n + 1].tolist()
+        lens = [qsl[j + 1] - qsl[j] for j in range(n)]
+        accepted = meta.num_accepted_tokens[:n].long()
+        start = slots[torch.arange(n), accepted - 1]
+        conv, state = conv_pool[start], state_pool[start]  # working copies, one per sequence
+        out = torch.empty(qkv.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=qkv.device)
+        for i in range(max(lens)):
+            rows = torch.tensor([j for j in range(n) if lens[j] > i], dtype=torch.long)
+            tok = torch.tensor([qsl[j] + i for j in rows.tolist()], dtype=torch.long)
+            c, s = conv[rows], state[rows]
+            y = kda_ops.causal_conv1d_update(qkv[tok], self.conv_weight, c)
+            q, k, v = self._split(y)
+            out[tok] = kda_ops.kda_decode_step(q, k, v, g[tok], beta[tok], s)
+            conv[rows], state[rows] = c, s
+            dst = slots[rows, i]
+            conv_pool[dst], state_pool[dst] = c, s
         return out
 
     def _prefill(self, qkv, g, beta, conv0, state0, slot: int | None = None) -> torch.Tensor:

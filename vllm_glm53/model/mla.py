@@ -26,6 +26,7 @@ from vllm_glm53.backends import indexer_ops, mla_ops
 from vllm_glm53.backends.latent_cache import LatentCacheBackend, cache_rows, read_rows, write_rows
 from vllm_glm53.config import TextArch
 from vllm_glm53.model.norm import RMSNorm
+from vllm_glm53.quant.plan import layer_quant
 
 
 def latent_row_size(arch: TextArch) -> int:
@@ -40,10 +41,12 @@ class Glm5NextIndexer(nn.Module):
     def __init__(self, arch: TextArch, prefix: str) -> None:
         super().__init__()
         nI, dI, D = arch.index_n_heads, arch.index_head_dim, arch.hidden_size
-        self.wq_b = ReplicatedLinear(arch.q_lora_rank, nI * dI, bias=False, prefix=f"{prefix}.wq_b")
-        self.wk = ReplicatedLinear(D, dI, bias=False, prefix=f"{prefix}.wk")
+        qc = layer_quant()
+        self.wq_b = ReplicatedLinear(arch.q_lora_rank, nI * dI, bias=False, quant_config=qc,
+                                     prefix=f"{prefix}.wq_b")
+        self.wk = ReplicatedLinear(D, dI, bias=False, quant_config=qc, prefix=f"{prefix}.wk")
         self.k_norm = nn.LayerNorm(dI, eps=1e-6)
-        self.weights_proj = ReplicatedLinear(D, nI, bias=False, prefix=f"{prefix}.weights_proj")
+        self.weights_proj = ReplicatedLinear(D, nI, bias=False, quant_config=qc, prefix=f"{prefix}.weights_proj")
         # Checkpoint names have no ".weight" suffix for these two.
         self.index_kpool_compress_gate = nn.Parameter(torch.empty(dI, D), requires_grad=False)
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(arch.index_kpool, dI, dtype=torch.float32),
@@ -76,15 +79,19 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
         self.heads = arch.num_heads // tp
         H, D, L = arch.num_heads, arch.hidden_size, arch.kv_lora_rank
         dn, dv = arch.qk_nope_head_dim, arch.v_head_dim
-        self.q_a_proj = ReplicatedLinear(D, arch.q_lora_rank, bias=False, prefix=f"{prefix}.q_a_proj")
+        qc = layer_quant()  # kv_b_proj never takes it: its weight is read directly (split into W_UK / W_UV)
+        self.q_a_proj = ReplicatedLinear(D, arch.q_lora_rank, bias=False, quant_config=qc,
+                                         prefix=f"{prefix}.q_a_proj")
         self.q_a_layernorm = RMSNorm(arch.q_lora_rank, arch.rms_norm_eps)
-        self.q_b_proj = ColumnParallelLinear(arch.q_lora_rank, H * dn, bias=False, prefix=f"{prefix}.q_b_proj")
-        self.kv_a_proj_with_mqa = ReplicatedLinear(D, L, bias=False, prefix=f"{prefix}.kv_a_proj_with_mqa")
+        self.q_b_proj = ColumnParallelLinear(arch.q_lora_rank, H * dn, bias=False, quant_config=qc,
+                                             prefix=f"{prefix}.q_b_proj")
+        self.kv_a_proj_with_mqa = ReplicatedLinear(D, L, bias=False, quant_config=qc,
+                                                   prefix=f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(L, arch.rms_norm_eps)
         # Rows per head are [k_nope (dn); v (dv)], so a column split at head boundaries keeps whole heads.
         self.kv_b_proj = ColumnParallelLinear(L, H * (dn + dv), bias=False, prefix=f"{prefix}.kv_b_proj")
         _vllm.cpu_skip_gemm_dispatch(self.kv_b_proj)  # its weight is split into W_UK / W_UV after loading
-        self.o_proj = RowParallelLinear(H * dv, D, bias=False, prefix=f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(H * dv, D, bias=False, quant_config=qc, prefix=f"{prefix}.o_proj")
         self.indexer = Glm5NextIndexer(arch, f"{prefix}.indexer") if has_indexer else None
         self.scale = dn**-0.5
         self.w_uk: torch.Tensor | None = None

@@ -19,9 +19,11 @@ from torch import nn
 from vllm_glm53._vllm import (
     HasInnerState,
     IsHybrid,
+    MULTIMODAL_REGISTRY,
     LogitsProcessor,
     MambaStateCopyFuncCalculator,
     ParallelLMHead,
+    SupportsMultiModal,
     VocabParallelEmbedding,
 )
 from vllm_glm53.config import TextArch, text_arch
@@ -29,7 +31,15 @@ from vllm_glm53.model.kda import Glm5NextKDA, kda_state_dtypes, kda_state_shapes
 from vllm_glm53.model.mhc import MHCParams
 from vllm_glm53.model.mla import Glm5NextSparseMLA
 from vllm_glm53.model.moe import Glm5NextMLP, Glm5NextMoE
+from vllm_glm53.model.multimodal import (
+    IMAGE_PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
+    Glm5NextDummyInputsBuilder,
+    Glm5NextMultiModalProcessor,
+    Glm5NextProcessingInfo,
+)
 from vllm_glm53.model.norm import RMSNorm
+from vllm_glm53.model.vision import Glm5NextVisionTower, vision_arch
 from vllm_glm53.model.weights import WeightLoader
 
 
@@ -112,7 +122,7 @@ class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = WeightLoader(self, self.arch.num_layers, skip_prefixes=("model.visual.",))
+        loader = WeightLoader(self, self.arch.num_layers, skip=lambda name: name.startswith("model.visual."))
         loaded = loader.load(weights)
         loader.check_complete()
         return loaded
@@ -133,21 +143,74 @@ class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return MambaStateCopyFuncCalculator.kda_state_copy_func()
 
 
-class Glm5NextForConditionalGeneration(Glm5NextForCausalLM):
+@MULTIMODAL_REGISTRY.register_processor(
+    Glm5NextMultiModalProcessor, info=Glm5NextProcessingInfo, dummy_inputs=Glm5NextDummyInputsBuilder
+)
+class Glm5NextForConditionalGeneration(Glm5NextForCausalLM, SupportsMultiModal):
     """Nested (released) checkpoints: ``model.language_model.*``, ``model.visual.*``, ``lm_head``.
 
-    The language part is the same model; checkpoint names are normalised by the weight loader. The vision
-    tower is not served yet: its tensors are skipped and the model registers no multimodal processor, so
-    vLLM rejects image and video inputs for it.
+    The language part is the same model; checkpoint names are normalised by the weight loader. Images and
+    videos go through the vision tower (``visual``, :mod:`.vision`) into the rows of their placeholder
+    tokens (:mod:`.multimodal` expands the prompt). With ``--limit-mm-per-prompt '{"image":0,"video":0}'`` the
+    tower is not built at all and its checkpoint tensors are skipped.
     """
 
-
-class Glm5NextMTPModel(nn.Module):
-    """The checkpoint's multi-token-prediction draft layer. Not served yet: constructing it (vLLM does so for
-    ``--speculative-config '{"method": "mtp", ...}'``) fails with a clear message instead of a deep error."""
-
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__()
-        raise NotImplementedError(
-            "vllm-glm53 does not serve the GLM-5.3 MTP draft layer yet; run without --speculative-config"
-        )
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        mm_config = vllm_config.model_config.multimodal_config
+        if mm_config is not None and any(mm_config.get_limit_per_prompt(m) > 0 for m in ("image", "video")):
+            self.visual = Glm5NextVisionTower(vision_arch(vllm_config.model_config.hf_config), prefix="visual")
+        else:
+            self.visual = None
+        # vLLM's MTP proposer reads the target's ``config.image_token_index`` (its generic name for the image
+        # placeholder id) and drafts through ``get_language_model()``.
+        self.config = vllm_config.model_config.hf_config
+        if getattr(self.config, "image_token_index", None) is None:
+            self.config.image_token_index = self.config.image_token_id
+
+    def get_language_model(self) -> nn.Module:
+        return self  # the text model lives here (``model``, ``lm_head``); ``visual`` is beside it
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        return {"image": IMAGE_PLACEHOLDER, "video": VIDEO_PLACEHOLDER}.get(modality)
+
+    def embed_multimodal(self, **kwargs) -> list[torch.Tensor]:
+        """Features of one modality batch, one ``[tokens, hidden]`` tensor per item, in item order."""
+        for pixels_key, grid_key in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+            pixels = kwargs.get(pixels_key)
+            if pixels is None:
+                continue
+            grids = [tuple(int(v) for v in g) for g in kwargs[grid_key]]
+            features = self.visual(pixels, grids)
+            merge = self.visual.arch.merge_area
+            return list(features.split([t * h * w // merge for t, h, w in grids]))
+        return []
+
+    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings=None, *,
+                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
+        embeds = self.model.embed_tokens(input_ids)
+        if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
+            return embeds
+        features = torch.cat(list(multimodal_embeddings)).to(embeds.dtype)
+        if int(is_multimodal.sum()) != features.shape[0]:
+            raise ValueError(f"{int(is_multimodal.sum())} placeholder tokens for {features.shape[0]} feature rows")
+        return embeds.masked_scatter(is_multimodal.unsqueeze(-1), features)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        visual_tensors: list[tuple[str, torch.Tensor]] = []
+
+        def text_tensors():
+            for name, tensor in weights:
+                if name.startswith("model.visual."):
+                    if self.visual is not None:
+                        visual_tensors.append((name[len("model.visual."):], tensor))
+                else:
+                    yield name, tensor
+
+        loader = WeightLoader(self, self.arch.num_layers)
+        loaded = set(loader.load(text_tensors()))
+        loader.check_complete(optional=[n for n in loader.params if n.startswith("visual.")])
+        if self.visual is not None:
+            loaded |= {f"visual.{n}" for n in self.visual.load_weights(visual_tensors)}
+        return loaded

@@ -3,7 +3,10 @@ dimension.
 
 Why not vLLM's fused MoE on CPU: its CPU expert kernels take only an activation name and silently drop
 ``swiglu_limit``, so GLM-5.3's clamped SwiGLU would be computed unclamped. The experts here are grouped per
-expert (one GEMM pair per expert that received tokens), with routing from :mod:`.moe_routing`.
+expert (one GEMM pair per expert that received tokens), with routing from :mod:`.moe_routing`. Quantized
+checkpoints swap the expert stack for one of :mod:`vllm_glm53.quant.experts` (vLLM's fused MoE on CUDA, the
+Ascend grouped matmuls on NPU) and hand ``quant_config`` to the linear layers, as the plan says
+(:mod:`vllm_glm53.quant.plan`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from vllm_glm53._vllm import (
 )
 from vllm_glm53.config import TextArch
 from vllm_glm53.model.moe_routing import clamped_swiglu, route
+from vllm_glm53.quant import experts as quant_experts
+from vllm_glm53.quant.experts import group_by_expert
+from vllm_glm53.quant.fp8 import BlockFp8Weight
+from vllm_glm53.quant.plan import LayerQuant, layer_quant
 
 
 class Glm5NextMLP(nn.Module):
@@ -28,11 +35,14 @@ class Glm5NextMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float, prefix: str,
                  reduce_results: bool = True) -> None:
         super().__init__()
+        quant_config = layer_quant()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=False, prefix=f"{prefix}.gate_up_proj"
+            hidden_size, [intermediate_size] * 2, bias=False, quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj"
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=False, reduce_results=reduce_results, prefix=f"{prefix}.down_proj"
+            intermediate_size, hidden_size, bias=False, reduce_results=reduce_results, quant_config=quant_config,
+            prefix=f"{prefix}.down_proj"
         )
         self.swiglu_limit = swiglu_limit
 
@@ -53,56 +63,102 @@ class Glm5NextMoE(nn.Module):
         if arch.moe_intermediate_size % tp:
             raise ValueError(f"moe_intermediate_size {arch.moe_intermediate_size} is not divisible by TP {tp}")
         self.tp_size, self.tp_rank = tp, get_tensor_model_parallel_rank()
-        self.inter = arch.moe_intermediate_size // tp
         E, D = arch.n_routed_experts, arch.hidden_size
         # The router runs in float32 (as the reference does); the bias only steers the choice of experts.
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.empty(E, D), requires_grad=False)
         self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
-        # w13 rows: [gate (inter) ; up (inter)] per expert, the checkpoint's gate_proj/up_proj row slices.
-        self.w13 = nn.Parameter(torch.empty(E, 2 * self.inter, D), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(E, D, self.inter), requires_grad=False)
+        self.experts = _routed_experts(arch, layer_quant(), prefix, self.tp_rank, tp,
+                                       Router(arch, self.gate.e_score_correction_bias))
         self.shared_experts = (
             Glm5NextMLP(D, arch.moe_intermediate_size * arch.n_shared_experts, arch.swiglu_limit,
                         f"{prefix}.shared_experts", reduce_results=False)
             if arch.n_shared_experts else None
         )
 
-    def load_expert(self, expert: int, which: str, weight: torch.Tensor) -> None:
-        """Copy this rank's slice of checkpoint tensor ``experts.{expert}.{which}.weight``."""
-        lo, hi = self.tp_rank * self.inter, (self.tp_rank + 1) * self.inter
-        if which == "gate_proj":
-            self.w13.data[expert, : self.inter].copy_(weight[lo:hi])
-        elif which == "up_proj":
-            self.w13.data[expert, self.inter :].copy_(weight[lo:hi])
-        elif which == "down_proj":
-            self.w2.data[expert].copy_(weight[:, lo:hi])
-        else:
-            raise KeyError(which)
+    def load_expert(self, expert: int, which: str, leaf: str, tensor) -> list[str]:
+        """Checkpoint tensor ``experts.{expert}.{which}.{leaf}`` -> this rank's slice; returns the names (relative
+        to this block) of the parameters it filled."""
+        return [f"experts.{name}" for name in self.experts.load(expert, which, leaf, tensor)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.arch
         logits = torch.nn.functional.linear(x.to(torch.float32), self.gate.weight.to(torch.float32))
-        weights, ids = route(logits, self.gate.e_score_correction_bias, a.num_experts_per_tok, a.n_group,
-                             a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=a.n_routed_experts).tolist()
-        token_of = order // a.num_experts_per_tok
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start : start + n]
-            tokens = token_of[start : start + n]
-            start += n
-            h = clamped_swiglu(torch.nn.functional.linear(x[tokens], self.w13[expert]), a.swiglu_limit)
-            y = torch.nn.functional.linear(h, self.w2[expert])
-            out.index_add_(0, tokens, y.to(torch.float32) * weights.reshape(-1)[pairs, None])
-        out = out.to(x.dtype)
+        out = self.experts(x, logits).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+
+class Router:
+    """GLM-5.3's routing rule for one MoE block, applied to float32 router logits: ``(weights, ids)``."""
+
+    def __init__(self, arch: TextArch, correction_bias: torch.Tensor) -> None:
+        self.arch = arch
+        self.correction_bias = correction_bias
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.arch
+        return route(logits, self.correction_bias, a.num_experts_per_tok, a.n_group, a.topk_group,
+                     a.norm_topk_prob, a.routed_scaling_factor)
+
+
+class StackedExperts(nn.Module):
+    """Every expert's weights stacked in the model dtype: ``w13 [E, 2*I_tp, D]`` (rows gate | up, the checkpoint's
+    gate_proj/up_proj row slices) and ``w2 [E, D, I_tp]``. FP8 checkpoints are dequantized into them at load."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp_rank: int, swiglu_limit: float,
+                 router: Router) -> None:
+        super().__init__()
+        self.num_experts, self.inter, self.swiglu_limit, self.router = num_experts, inter, swiglu_limit, router
+        self.lo, self.hi = tp_rank * inter, (tp_rank + 1) * inter
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+
+    def load(self, expert: int, which: str, leaf: str, weight) -> list[str]:
+        if leaf != "weight":
+            raise ValueError(f"experts.{expert}.{which}.{leaf}: the checkpoint's experts are not quantized "
+                             f"in a form this platform runs")
+        if isinstance(weight, BlockFp8Weight):
+            weight = weight.dequantize(self.w13.dtype)
+        if which == "down_proj":
+            self.w2.data[expert].copy_(weight[:, self.lo : self.hi])
+            return ["w2"]
+        rows = slice(0, self.inter) if which == "gate_proj" else slice(self.inter, 2 * self.inter)
+        self.w13.data[expert, rows].copy_(weight[self.lo : self.hi])
+        return ["w13"]
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(router_logits)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        order, token_of, counts = group_by_expert(ids, self.num_experts)
+        start = 0
+        for expert, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            pairs = order[start : start + n]
+            tokens = token_of[start : start + n]
+            start += n
+            h = clamped_swiglu(torch.nn.functional.linear(x[tokens], self.w13[expert]), self.swiglu_limit)
+            y = torch.nn.functional.linear(h, self.w2[expert])
+            out.index_add_(0, tokens, y.to(torch.float32) * weights.reshape(-1)[pairs, None])
+        return out
+
+
+def _routed_experts(arch: TextArch, quant: LayerQuant | None, prefix: str, tp_rank: int, tp_size: int,
+                    router: Router) -> nn.Module:
+    """The expert stack the plan asks for: unquantized (or dequantized at load) unless the checkpoint stores
+    the experts quantized and this platform runs them so."""
+    E, D, inter = arch.n_routed_experts, arch.hidden_size, arch.moe_intermediate_size // tp_size
+    scheme = quant.experts_scheme(prefix, E) if quant is not None else None
+    if scheme is None:
+        return StackedExperts(E, D, inter, tp_rank, arch.swiglu_limit, router)
+    if scheme == "w8a8":
+        return quant_experts.W8A8Experts(E, D, inter, tp_rank, arch.swiglu_limit, router,
+                                         on_npu=quant.backend == "npu")
+    if quant.backend == "npu":
+        return quant_experts.Mxfp8Experts(E, D, inter, tp_rank, arch.swiglu_limit, router)
+    return quant_experts.FusedFp8Experts(E, arch.num_experts_per_tok, D, arch.moe_intermediate_size,
+                                         arch.swiglu_limit, router, quant.vllm_fp8_config(),
+                                         prefix=f"{prefix}.experts")

@@ -14,7 +14,7 @@ as they stream in, and the module it lands in decides what to keep (``quant.fp8.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -57,11 +57,11 @@ class WeightLoader:
     """Streams checkpoint tensors into ``model`` (a module holding ``model.*`` and ``lm_head``)."""
 
     def __init__(self, root: nn.Module, num_layers: int, layer_offset: int = 0,
-                 skip_prefixes: tuple[str, ...] = ()) -> None:
+                 skip: Callable[[str], bool] | None = None) -> None:
         self.root = root
         self.num_layers = num_layers
         self.layer_offset = layer_offset  # the MTP module maps checkpoint layer N to its block 0
-        self.skip_prefixes = skip_prefixes
+        self.skip = skip  # checkpoint names (canonical) that belong to another module
         self.params = dict(root.named_parameters())
         self.module_params: dict[str, dict[str, nn.Parameter]] = {}
         for name, param in self.params.items():
@@ -77,7 +77,7 @@ class WeightLoader:
         for raw_name, tensor in weights:
             name = canonical_name(raw_name)
             # The QuaRot rotation of w8a8 checkpoints belongs to the MTP layer's input.
-            if name.startswith(self.skip_prefixes) or (name == MTP_ROTATION and self.layer_offset == 0):
+            if (self.skip is not None and self.skip(name)) or (name == MTP_ROTATION and self.layer_offset == 0):
                 self.skipped += 1
                 continue
             try:

@@ -1,0 +1,214 @@
+"""Native FP8 checkpoints on CPU: the plugin claims them from vLLM's Fp8Config and dequantizes every block-FP8
+weight into the model dtype while loading; greedy generation then matches transformers run on the same
+weights dequantized by the documented formula (architecture.md §12.2)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import hf_greedy, hf_model, prompt_set, run_engine
+from test_model_parity import LENGTHS, MAX_TOKENS, assert_parity
+from vllm_glm53.quant import fp8_block
+from vllm_glm53.quant.fp8 import BlockFp8Weight, Fp8Pairing, block_fp8_parts
+
+E4M3 = torch.float8_e4m3fn
+
+
+def naive_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``W[i, j] = float(W8[i, j]) * scale_inv[i // 128, j // 128]``, by full expansion of the scales."""
+    n, k = weight.shape
+    return weight.float() * scale_inv.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+
+
+def _pair(n=200, k=96, seed=0) -> BlockFp8Weight:
+    gen = torch.Generator().manual_seed(seed)
+    w, s = fp8_block.quantize_block_fp8(torch.randn(n, k, generator=gen))
+    return BlockFp8Weight(w, s)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loader pieces
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale_first", [False, True])
+def test_pairing_joins_weight_and_scale_in_either_order(scale_first):
+    pair = _pair()
+    items = [("m.weight", pair.weight), ("m.weight_scale_inv", pair.scale_inv)]
+    pairing = Fp8Pairing()
+    first, second = items[::-1] if scale_first else items
+    assert Fp8Pairing.wants(*first) and Fp8Pairing.wants(*second)
+    assert pairing.add(*first) is None
+    name, got = pairing.add(*second)
+    assert name == "m.weight" and got.weight is pair.weight and got.scale_inv is pair.scale_inv
+    assert pairing.unpaired() == []
+
+
+def test_pairing_reports_halves_left_over_and_ignores_plain_tensors():
+    pairing = Fp8Pairing()
+    assert not Fp8Pairing.wants("x.weight", torch.zeros(2, 2))  # BF16/fp32 weights stream straight through
+    pairing.add("a.weight", _pair().weight)
+    pairing.add("b.weight_scale_inv", _pair().scale_inv)
+    assert pairing.unpaired() == ["a.weight (no weight_scale_inv)", "b.weight_scale_inv (no FP8 weight)"]
+
+
+def test_scale_next_to_a_non_fp8_weight_is_an_error():
+    pairing = Fp8Pairing()
+    pairing.add("c.weight_scale_inv", torch.ones(1, 1))
+    with pytest.raises(ValueError, match="weight_scale_inv next to a torch.float32 weight"):
+        pairing.add("c.weight", torch.zeros(3, 3, dtype=torch.float8_e4m3fn).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_module_gets_the_weight_dequantized_to_its_own_dtype(dtype):
+    pair = _pair()
+    (leaf, got), = block_fp8_parts(pair, {"weight": torch.nn.Parameter(torch.empty(200, 96, dtype=dtype))})
+    assert leaf == "weight" and got.dtype == dtype
+    # dequantized in fp32 and rounded once to the model dtype
+    torch.testing.assert_close(got, naive_dequantize(pair.weight, pair.scale_inv).to(dtype), rtol=0, atol=0)
+
+
+def test_native_fp8_module_keeps_the_checkpoint_bytes():
+    pair = _pair()
+    params = {"weight": torch.empty(200, 96, dtype=E4M3), "weight_scale_inv": torch.empty(2, 1)}
+    parts = dict(block_fp8_parts(pair, params))
+    assert parts["weight"] is pair.weight and parts["weight_scale_inv"] is pair.scale_inv
+
+
+def test_mxfp8_module_gets_the_regrouped_weight():
+    from vllm_glm53.quant import mxfp8
+
+    pair = _pair()
+    params = {"weight": torch.empty(200, 96, dtype=E4M3), "weight_scale": torch.empty(200, 3, dtype=torch.uint8)}
+    parts = dict(block_fp8_parts(pair, params))
+    assert parts["weight_scale"].dtype == torch.uint8 and parts["weight_scale"].shape == (200, 3)
+    # the values are the checkpoint's to within one E4M3 re-rounding (2**-4 relative), never clipped
+    got = mxfp8.dequantize(parts["weight"], parts["weight_scale"])
+    want = naive_dequantize(pair.weight, pair.scale_inv)
+    assert ((got - want).abs() <= want.abs() * 2**-4 + 1e-30).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The claim
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_fp8_checkpoints_of_this_model_are_claimed_before_vllms_fp8config():
+    from types import SimpleNamespace
+
+    from vllm_glm53.quant.configs import Glm5NextFp8Config
+
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    glm = SimpleNamespace(model_type="glm5_next")
+    claim = Glm5NextFp8Config.override_quantization_method
+    assert claim(fp8, None, hf_config=glm) == "glm5_next_fp8"
+    assert claim(fp8, "fp8", hf_config=glm) == "glm5_next_fp8"
+    assert claim(fp8, None, hf_config=SimpleNamespace(model_type="glm5_next_mtp")) == "glm5_next_fp8"
+    assert claim(fp8, None, hf_config=SimpleNamespace(model_type="deepseek_v3")) is None
+    assert claim({**fp8, "quant_method": "awq"}, None, hf_config=glm) is None
+    assert claim(fp8, "awq", hf_config=glm) is None
+    # float32 serving is allowed: the weights are dequantized into the model dtype
+    assert torch.float32 in Glm5NextFp8Config.from_config(fp8).get_supported_act_dtypes()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The per-tensor plan, and the CUDA path's wiring (its kernels need a GPU; the wiring does not)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_plan_takes_the_fp8_modules_from_the_checkpoint_tensors(tiny_ckpt):
+    from types import SimpleNamespace
+
+    from vllm_glm53.quant.plan import LayerQuant, _checkpoint_modules, read_checkpoint_quant
+
+    path = tiny_ckpt("fp8", fp8=True)
+    cfg = json.loads((path / "config.json").read_text())
+    model_config = SimpleNamespace(model=str(path), revision=None,
+                                   hf_config=SimpleNamespace(quantization_config=cfg["quantization_config"]))
+    checkpoint = read_checkpoint_quant(model_config)
+    scales = {n[: -len(".weight_scale_inv")].replace("model.language_model.", "model.")
+              for n in load_file(str(path / "model.safetensors")) if n.endswith(".weight_scale_inv")}
+    assert checkpoint.scheme == "fp8" and checkpoint.modules == scales
+    plan = LayerQuant(checkpoint, "native")
+    assert plan.scheme_of(_checkpoint_modules("model.layers.0.mlp.gate_up_proj")) == "fp8"
+    assert plan.scheme_of(_checkpoint_modules("model.layers.1.mlp.shared_experts.down_proj")) == "fp8"
+    assert plan.scheme_of(_checkpoint_modules("model.layers.0.self_attn.qkv_proj")) is None
+    assert plan.scheme_of(_checkpoint_modules("model.layers.3.self_attn.q_a_proj")) is None
+    assert plan.experts_scheme("model.layers.1.mlp", 8) == "fp8"
+    mixed = LayerQuant(checkpoint.__class__("fp8", frozenset({"m.gate_proj"})), "native")
+    with pytest.raises(ValueError, match="only some are fp8"):
+        mixed.scheme_of(_checkpoint_modules("m.gate_up_proj"))
+
+
+def test_cuda_expert_wiring_through_vllms_fused_moe():
+    """``FusedFp8Experts`` on vLLM's fused MoE: construction arguments, the plugin's routing as vLLM's custom
+    routing function (weights already scaled), loading through vLLM's expert weight loader, and the unreduced
+    output. On CPU it runs the unquantized fused method, which drops ``swiglu_limit``, so the limit is set out
+    of reach here; the FP8 kernels and the clamp itself need the GPU check (scripts/gpu_check_fp8.py)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    from vllm_glm53 import _vllm
+    from vllm_glm53.model.moe_routing import clamped_swiglu, route
+    from vllm_glm53.quant.experts import FusedFp8Experts
+
+    gen = torch.Generator().manual_seed(0)
+    E, k, D, inter, T = 8, 2, 64, 32, 5
+    bias = 0.05 * torch.randn(E, generator=gen)
+    router = lambda logits: route(logits, bias, k, 1, 1, True, 2.5)  # noqa: E731
+    shapes = {"gate_proj": (inter, D), "up_proj": (inter, D), "down_proj": (D, inter)}
+    ckpt = {(e, p): 0.1 * torch.randn(*shapes[p], generator=gen) for e in range(E) for p in shapes}
+    x, logits = torch.randn(T, D, generator=gen), torch.randn(T, E, generator=gen)
+    with _vllm.standalone_model_parallel():
+        experts = FusedFp8Experts(E, k, D, inter, 1e4, router, None, prefix="model.layers.1.mlp.experts")
+        filled = {n for (e, p), w in ckpt.items() for n in experts.load(e, p, "weight", w)}
+        assert filled == {n for n, _ in experts.named_parameters()}
+        _vllm.finish_loading(experts)
+        with set_forward_context(None, get_current_vllm_config()):
+            got = experts(x, logits)
+    weights, ids = router(logits)
+    want = torch.zeros(T, D)
+    for t in range(T):
+        for j, e in enumerate(ids[t].tolist()):
+            h = clamped_swiglu(torch.cat([x[t] @ ckpt[e, "gate_proj"].t(), x[t] @ ckpt[e, "up_proj"].t()]), 1e4)
+            want[t] += weights[t, j] * (h @ ckpt[e, "down_proj"].t())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end
+# ---------------------------------------------------------------------------------------------------------
+
+
+def dequantized_twin(src, dst):
+    """A copy of FP8 checkpoint ``src`` whose FP8 weights are replaced by their float32 values, without
+    ``quantization_config``: what transformers runs as the reference."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale = tensors.get(name[: -len("weight")] + "weight_scale_inv")
+        out[name] = naive_dequantize(t, scale) if scale is not None else t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.engine
+def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(tiny_ckpt, tmp_path):
+    path = tiny_ckpt("fp8", fp8=True)
+    names = load_file(str(path / "model.safetensors"))
+    assert sum(n.endswith("weight_scale_inv") for n in names) > 0  # the test exercises FP8 tensors
+    prompts = prompt_set(path, LENGTHS)
+    want = hf_greedy(hf_model(dequantized_twin(path, tmp_path / "twin")), prompts, MAX_TOKENS)
+    got = run_engine(path, prompts, MAX_TOKENS, engine={"max_num_seqs": 3}, logprobs=1)
+    assert_parity(got, want)

@@ -1,0 +1,89 @@
+"""MTP speculative decoding with the checkpoint's own draft layer.
+
+Greedy outputs with speculation must be exactly the outputs without it: every rejected draft rolls the KDA
+recurrent and conv state back to the state after the last accepted token (per-position state slots), and
+the latent cache rows of rejected tokens are overwritten. On a random checkpoint almost every draft is
+wrong, so these runs exercise rejection on nearly every step.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import hf_greedy, hf_model, prompt_set, run_engine
+
+pytestmark = pytest.mark.engine
+
+LENGTHS = [3, 9, 24, 41, 77, 130, 190, 260]
+MAX_TOKENS = [16, 12, 16, 10, 16, 14, 16, 12]
+
+
+def _acceptance(metrics):
+    drafts = metrics.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
+    return accepted / drafts if drafts else 0.0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    path = tiny_ckpt("default")
+    prompts = prompt_set(path, LENGTHS)
+    return path, prompts, hf_greedy(hf_model(path), prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("method,n", [("mtp", 1), ("deepseek_mtp", 3), ("mtp", 5)])
+def test_speculation_keeps_greedy_outputs(reference, method, n):
+    path, prompts, want = reference
+    got, metrics = run_engine(path, prompts, MAX_TOKENS, metrics=True, engine={
+        "max_num_seqs": 4, "speculative_config": {"method": method, "num_speculative_tokens": n}})
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g["token_ids"] == w["token_ids"], f"prompt {i} with {method} n={n}"
+    assert metrics["vllm:spec_decode_num_drafts"] > 0  # speculation really ran
+    print(f"{method} n={n}: acceptance {_acceptance(metrics):.2f} on a random draft layer")
+
+
+def test_speculation_with_tensor_parallel_2(reference):
+    path, prompts, want = reference
+    got = run_engine(path, prompts, MAX_TOKENS, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, engine={
+        "tensor_parallel_size": 2, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}})
+    assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
+
+
+def _draft_is_exact(src, dst):
+    """A checkpoint whose MTP layer predicts exactly what the main model will: the main model's attention and
+    MLP outputs are zeroed (its prediction then depends on the current token only, h = norm(embed(token))),
+    and the MTP layer is made to compute the same function of the token it is given."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    n_layers = cfg["text_config"]["num_hidden_layers"]
+    t = load_file(str(dst / "model.safetensors"))
+    mtp = f"model.language_model.layers.{n_layers}."
+    for name in t:
+        if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
+            t[name] = torch.zeros_like(t[name])  # every sublayer (main and MTP) adds nothing
+    d = t[mtp + "eh_proj.weight"].shape[0]
+    eh = torch.zeros(d, 2 * d)
+    eh[:, :d] = torch.eye(d)  # z = enorm(e): the next token's embedding only
+    t[mtp + "eh_proj.weight"] = eh.to(t[mtp + "eh_proj.weight"].dtype)
+    t[mtp + "enorm.weight"] = torch.ones_like(t[mtp + "enorm.weight"])
+    t[mtp + "shared_head.norm.weight"] = t["model.language_model.norm.weight"].clone()
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_exact_drafts_are_accepted_and_save_steps(tiny_ckpt, tmp_path):
+    path = _draft_is_exact(tiny_ckpt("default"), tmp_path / "exact-mtp")
+    prompts = prompt_set(path, [5, 30, 120])
+    want = hf_greedy(hf_model(path), prompts, 24)
+    got, metrics = run_engine(path, prompts, 24, metrics=True, engine={
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}})
+    assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
+    acceptance = _acceptance(metrics)
+    tokens = sum(len(g["token_ids"]) for g in got)
+    steps = metrics["vllm:spec_decode_num_drafts"]  # one verification step per request per draft round
+    print(f"exact draft layer: acceptance {acceptance:.3f}, {tokens} tokens in {steps} draft rounds")
+    assert acceptance > 0.95
+    assert steps < tokens / 2

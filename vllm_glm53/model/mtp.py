@@ -1,0 +1,97 @@
+"""The checkpoint's multi-token-prediction (MTP) draft layer, served as vLLM's ``Glm5NextMTPModel``
+(architecture.md §10).
+
+    e = embed(next token), zero at absolute position 0
+    z = eh_proj([enorm(e) ; hnorm(h_prev)])          h_prev: the target's post-norm hidden state at t,
+    r = z + MLA(input_layernorm(z))                         or this layer's own output for later drafts
+    h = shared_head.norm(r + MoE(post_attention_layernorm(r)))
+
+It is one plain pre-norm decoder block (no mHC) at checkpoint index ``num_hidden_layers``, with its own sparse
+MLA, indexer and latent cache. Its embedding and LM head are the target model's: vLLM's MTP proposer installs
+them after loading (``model.embed_tokens``, ``lm_head``), so this module creates neither. Every draft step
+runs the layer's own indexer (exact; vLLM's in-tree version reuses the first step's selection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm_glm53._vllm import LogitsProcessor, ReplicatedLinear
+from vllm_glm53.config import TextArch, text_arch
+from vllm_glm53.model.mla import Glm5NextSparseMLA
+from vllm_glm53.model.moe import Glm5NextMLP, Glm5NextMoE
+from vllm_glm53.model.norm import RMSNorm
+from vllm_glm53.model.weights import CheckpointError, WeightLoader
+
+
+class Glm5NextMTPLayer(nn.Module):
+    def __init__(self, arch: TextArch, model_dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        D, eps = arch.hidden_size, arch.rms_norm_eps
+        self.enorm = RMSNorm(D, eps)
+        self.hnorm = RMSNorm(D, eps)
+        self.eh_proj = ReplicatedLinear(2 * D, D, bias=False, prefix=f"{prefix}.eh_proj")
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        self.self_attn = Glm5NextSparseMLA(arch, arch.num_layers, True, model_dtype, prefix=f"{prefix}.self_attn")
+        if arch.n_routed_experts:
+            self.mlp = Glm5NextMoE(arch, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = Glm5NextMLP(D, arch.intermediate_size, arch.swiglu_limit, prefix=f"{prefix}.mlp")
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(D, eps)
+
+    def forward(self, e: torch.Tensor, h_prev: torch.Tensor) -> torch.Tensor:
+        z, _ = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h_prev)], dim=-1))
+        a, _ = self.self_attn(self.input_layernorm(z))
+        r = z + a
+        return self.shared_head.norm(r + self.mlp(self.post_attention_layernorm(r)))
+
+
+class Glm5NextMTPModel(nn.Module):
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__()
+        self.config = vllm_config.model_config.hf_config  # the proposer copies multimodal token ids onto it
+        self.arch = text_arch(self.config)
+        if self.arch.num_mtp_layers < 1:
+            raise CheckpointError("this glm5_next config declares no MTP layer (num_nextn_predict_layers = 0); "
+                                  "run without --speculative-config or use a checkpoint that has one")
+        # ``model.layers[0]`` is checkpoint layer ``num_hidden_layers``; vLLM's proposer sets
+        # ``model.embed_tokens`` and ``lm_head`` to the target's.
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(
+            [Glm5NextMTPLayer(self.arch, vllm_config.model_config.dtype, prefix=f"model.layers.{self.arch.num_layers}")]
+        )
+        self.logits_processor = LogitsProcessor(self.arch.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, hidden_states, inputs_embeds=None, spec_step_idx: int = 0, **kwargs):
+        """Returns ``(hidden for the draft logits, hidden for the next draft step)`` — the same tensor here."""
+        e = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        # The token at absolute position 0 has no previous hidden state to pair with.
+        e = e.masked_fill((positions == 0).unsqueeze(-1), 0)
+        h = self.model.layers[0](e, hidden_states)
+        return h, h
+
+    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        n = self.arch.num_layers
+        # Only checkpoint layer N belongs here; the embedding and head are shared with the target, and the MTP
+        # layer may carry its own copies of them (``embed_tokens``, ``shared_head.head``), which are not used.
+        shared_copies = (f"model.layers.{n}.embed_tokens.", f"model.layers.{n}.shared_head.head.")
+        loader = WeightLoader(self, num_layers=1, layer_offset=n,
+                              skip=lambda name: not name.startswith(f"model.layers.{n}.")
+                              or name.startswith(shared_copies))
+        loaded = loader.load(weights)
+        if not loaded:
+            raise CheckpointError(f"the checkpoint has no MTP layer (no tensors under layers.{n}.); "
+                                  "run without --speculative-config")
+        loader.check_complete()
+        return loaded

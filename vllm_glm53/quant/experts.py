@@ -1,0 +1,194 @@
+"""Routed-expert stacks of the MoE blocks for quantized checkpoints (chosen by :mod:`.plan`).
+
+Every stack has the interface of ``model.moe.StackedExperts`` (the unquantized one):
+``load(expert, which, leaf, tensor) -> [parameter names filled]`` for checkpoint tensor
+``experts.{expert}.{which}.{leaf}`` (``tensor`` a :class:`~.fp8.BlockFp8Weight` for FP8 weights), and
+``forward(x, router_logits) -> float32 [T, D]``, this TP rank's share of the routed output (summed over ranks by
+the MoE block). Each rank holds every expert's slice ``[lo, hi)`` of the intermediate dimension.
+
+The Ascend stacks keep their weights in the grouped-matmul layout, ``[E, K, N]`` with the scales beside, and
+write each expert into it as it streams in, so no second copy is made after loading.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from vllm_glm53 import _vllm
+from vllm_glm53.quant import npu
+from vllm_glm53.quant.fp8 import BlockFp8Weight
+from vllm_glm53.quant.mxfp8 import GROUP
+from vllm_glm53.quant.w8a8 import W8A8_DYNAMIC, w8a8_matmul
+
+Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits -> (weights [T,k], ids [T,k])
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the (token, choice) pairs by expert: ``(order [T*k], token of each sorted pair [T*k], rows per
+    expert [E])``; ``order`` indexes the flattened ``[T, k]`` routing weights."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, order // ids.shape[1], counts
+
+
+def combine(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+            tokens: torch.Tensor) -> torch.Tensor:
+    """Sum the sorted expert outputs ``y`` back per token, weighted, in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tokens, y.float() * weights.reshape(-1)[order, None])
+
+
+class _ShardedExperts(nn.Module):
+    """Shape bookkeeping shared by the Ascend stacks: ``w13 [E, D, 2I]`` (gate | up columns) and ``w2 [E, I, D]``."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp_rank: int, swiglu_limit: float,
+                 router: Router) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.lo, self.hi = tp_rank * inter, (tp_rank + 1) * inter
+        self.swiglu_limit = swiglu_limit
+        self.router = router
+
+    def _columns(self, which: str) -> slice:
+        return slice(0, self.inter) if which == "gate_proj" else slice(self.inter, 2 * self.inter)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        from vllm_glm53.model.moe_routing import clamped_swiglu
+
+        weights, ids = self.router(router_logits)
+        order, tokens, counts = group_by_expert(ids, self.num_experts)
+        group_list = counts.cumsum(0)
+        h = clamped_swiglu(self._gemm13(x[tokens], group_list), self.swiglu_limit)
+        return combine(x, self._gemm2(h, group_list), weights, order, tokens)
+
+
+class Mxfp8Experts(_ShardedExperts):
+    """Ascend 950: block-FP8 experts re-grouped to MXFP8 at load, run by ``npu_grouped_matmul`` in MX mode."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp_rank: int, swiglu_limit: float,
+                 router: Router) -> None:
+        super().__init__(num_experts, hidden, inter, tp_rank, swiglu_limit, router)
+        if hidden % GROUP or inter % GROUP:
+            raise ValueError(f"MXFP8 experts need hidden ({hidden}) and per-rank intermediate ({inter}) sizes "
+                             f"that are multiples of {GROUP}")
+        E, D, I = num_experts, hidden, inter
+        self.w13 = nn.Parameter(torch.empty(E, D, 2 * I, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.w13_scale = nn.Parameter(torch.empty(E, math.ceil(D / 64), 2 * I, 2, dtype=torch.uint8),
+                                      requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, I, D, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.w2_scale = nn.Parameter(torch.empty(E, math.ceil(I / 64), D, 2, dtype=torch.uint8),
+                                     requires_grad=False)
+
+    def load(self, expert: int, which: str, leaf: str, tensor) -> list[str]:
+        if leaf != "weight" or not isinstance(tensor, BlockFp8Weight):
+            raise ValueError(f"experts.{expert}.{which}.{leaf}: expected a block-FP8 weight")
+        weight, scale = tensor.to_mxfp8()  # [N, K], [N, K/32] of the whole checkpoint tensor
+        if which == "down_proj":
+            weight, scale = weight[:, self.lo : self.hi], scale[:, self.lo // GROUP : self.hi // GROUP]
+            self.w2.data[expert], self.w2_scale.data[expert] = npu.mx_weight_layout(weight, scale)
+            return ["w2", "w2_scale"]
+        cols = self._columns(which)
+        w_kn, s_packed = npu.mx_weight_layout(weight[self.lo : self.hi], scale[self.lo : self.hi])
+        self.w13.data[expert, :, cols] = w_kn
+        self.w13_scale.data[expert, :, cols] = s_packed
+        return ["w13", "w13_scale"]
+
+    def _gemm13(self, x, group_list):
+        return npu.mx_grouped_matmul(x, self.w13, self.w13_scale, group_list)
+
+    def _gemm2(self, h, group_list):
+        return npu.mx_grouped_matmul(h, self.w2, self.w2_scale, group_list)
+
+
+class W8A8Experts(_ShardedExperts):
+    """msmodelslim W8A8_DYNAMIC experts: int8 weights with per-output-channel scales, per-token int8
+    activations; ``npu_grouped_matmul`` on Ascend, one reference product per expert elsewhere."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp_rank: int, swiglu_limit: float,
+                 router: Router, on_npu: bool) -> None:
+        super().__init__(num_experts, hidden, inter, tp_rank, swiglu_limit, router)
+        E, D, I = num_experts, hidden, inter
+        self.on_npu = on_npu
+        self.w13 = nn.Parameter(torch.empty(E, D, 2 * I, dtype=torch.int8), requires_grad=False)
+        self.w13_scale = nn.Parameter(torch.empty(E, 2 * I, dtype=torch.float32), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, I, D, dtype=torch.int8), requires_grad=False)
+        self.w2_scale = nn.Parameter(torch.empty(E, D, dtype=torch.float32), requires_grad=False)
+
+    def load(self, expert: int, which: str, leaf: str, tensor) -> list[str]:
+        if leaf == "weight_offset":
+            if bool(tensor.any()):
+                raise ValueError(f"experts.{expert}.{which}.weight_offset is not zero; only symmetric w8a8 is served")
+            return []
+        down = which == "down_proj"
+        if leaf == "weight":  # [N, K] int8 -> this rank's slice, transposed into [K, N]
+            part = tensor[:, self.lo : self.hi] if down else tensor[self.lo : self.hi]
+            if down:
+                self.w2.data[expert] = part.t()
+            else:
+                self.w13.data[expert, :, self._columns(which)] = part.t()
+            return ["w2" if down else "w13"]
+        if leaf == "weight_scale":  # per output channel [N, 1]; down_proj's outputs are not split
+            scale = tensor.reshape(-1)
+            if down:
+                self.w2_scale.data[expert] = scale
+            else:
+                self.w13_scale.data[expert, self._columns(which)] = scale[self.lo : self.hi]
+            return ["w2_scale" if down else "w13_scale"]
+        raise ValueError(f"experts.{expert}.{which}.{leaf}: not part of a {W8A8_DYNAMIC} expert")
+
+    def _grouped(self, x, weight, scale, group_list):
+        if self.on_npu:
+            return npu.w8a8_grouped_matmul(x, weight, scale, group_list)
+        out = torch.empty(x.shape[0], weight.shape[-1], dtype=x.dtype, device=x.device)
+        start = 0
+        for expert, end in enumerate(group_list.tolist()):
+            if end > start:
+                out[start:end] = w8a8_matmul(x[start:end], weight[expert], scale[expert])
+            start = end
+        return out
+
+    def _gemm13(self, x, group_list):
+        return self._grouped(x, self.w13, self.w13_scale, group_list)
+
+    def _gemm2(self, h, group_list):
+        return self._grouped(h, self.w2, self.w2_scale, group_list)
+
+
+class FusedFp8Experts(nn.Module):
+    """CUDA/ROCm: the block-FP8 experts in vLLM's fused MoE (its ``Fp8MoEMethod`` kernels), with GLM-5.3's
+    clamped SwiGLU (``swiglu_limit``) and the plugin's own routing rule as vLLM's custom routing function.
+
+    ``fp8_config`` is vLLM's ``Fp8Config`` (None gives vLLM's unquantized method: how the CPU test checks the
+    wiring)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, swiglu_limit: float,
+                 router: Router, fp8_config, prefix: str) -> None:
+        super().__init__()
+        self.runner = _vllm.FusedMoEFactory(
+            num_experts=num_experts, top_k=top_k, hidden_size=hidden, intermediate_size=intermediate,
+            quant_config=fp8_config, prefix=prefix, scoring_func="sigmoid", routed_scaling_factor=1.0,
+            custom_routing_function=lambda hidden_states, gating_output, topk, renormalize: router(gating_output),
+            swiglu_limit=swiglu_limit, reduce_results=False,  # the MoE block all-reduces routed + shared once
+            router_logits_dtype=torch.float32,
+        )
+
+    def load(self, expert: int, which: str, leaf: str, tensor) -> list[str]:
+        experts = self.runner.routed_experts
+        stem, shard = {"gate_proj": ("w13", "w1"), "up_proj": ("w13", "w3"), "down_proj": ("w2", "w2")}[which]
+        parts = ([("weight", tensor.weight), ("weight_scale_inv", tensor.scale_inv)]
+                 if isinstance(tensor, BlockFp8Weight) else [(leaf, tensor)])
+        names = {id(p): n for n, p in self.named_parameters()}
+        filled = []
+        for suffix, part in parts:
+            param = getattr(experts, f"{stem}_{suffix}")
+            experts.weight_loader(param, part, f"{stem}_{suffix}", shard, expert)
+            filled.append(names[id(param)])
+        return filled
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return self.runner(hidden_states=x, router_logits=router_logits).float()
