@@ -34,10 +34,12 @@ class Glm5NextRenderer(_vllm.BaseRenderer):
         }
 
     @staticmethod
-    def _prompt(token_ids: list[int], mm_data: Any, mm_uuids: Any) -> Any:
+    def _prompt(token_ids: list[int], mm_data: Any, mm_uuids: Any, params: Any) -> Any:
         prompt = _vllm.parse_dec_only_prompt(token_ids)
         if mm_data is not None:
             prompt["multi_modal_data"] = mm_data
+            if params.mm_processor_kwargs:  # per-request processor settings (e.g. max_image_tokens)
+                prompt["mm_processor_kwargs"] = params.mm_processor_kwargs
         if mm_uuids is not None:
             prompt["multi_modal_uuids"] = mm_uuids
         return prompt
@@ -46,11 +48,11 @@ class Glm5NextRenderer(_vllm.BaseRenderer):
         conversation, mm_data, mm_uuids = _vllm.parse_chat_messages(
             messages, self.model_config, **self._parse_kwargs(params)
         )
-        return conversation, self._prompt(self._render_ids(conversation, params), mm_data, mm_uuids)
+        return conversation, self._prompt(self._render_ids(conversation, params), mm_data, mm_uuids, params)
 
     async def render_messages_async(self, messages: list[Any], params: Any) -> tuple[list[Any], Any]:
         conversation, mm_data, mm_uuids = await _vllm.parse_chat_messages_async(
             messages, self.model_config, **self._parse_kwargs(params)
         )
         token_ids = await self._render_ids_async(conversation, params)
-        return conversation, self._prompt(token_ids, mm_data, mm_uuids)
+        return conversation, self._prompt(token_ids, mm_data, mm_uuids, params)
