@@ -6,14 +6,12 @@ the latent cache rows of rejected tokens are overwritten. On a random checkpoint
 wrong, so these runs exercise rejection on nearly every step.
 """
 
-import json
 import shutil
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from conftest import hf_greedy, hf_model, prompt_set, run_engine
+from vllm_glm53.tiny import make_exact_mtp
 
 pytestmark = pytest.mark.engine
 
@@ -52,30 +50,10 @@ def test_speculation_with_tensor_parallel_2(reference):
     assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
 
 
-def _draft_is_exact(src, dst):
-    """A checkpoint whose MTP layer predicts exactly what the main model will: the main model's attention and
-    MLP outputs are zeroed (its prediction then depends on the current token only, h = norm(embed(token))),
-    and the MTP layer is made to compute the same function of the token it is given."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    n_layers = cfg["text_config"]["num_hidden_layers"]
-    t = load_file(str(dst / "model.safetensors"))
-    mtp = f"model.language_model.layers.{n_layers}."
-    for name in t:
-        if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
-            t[name] = torch.zeros_like(t[name])  # every sublayer (main and MTP) adds nothing
-    d = t[mtp + "eh_proj.weight"].shape[0]
-    eh = torch.zeros(d, 2 * d)
-    eh[:, :d] = torch.eye(d)  # z = enorm(e): the next token's embedding only
-    t[mtp + "eh_proj.weight"] = eh.to(t[mtp + "eh_proj.weight"].dtype)
-    t[mtp + "enorm.weight"] = torch.ones_like(t[mtp + "enorm.weight"])
-    t[mtp + "shared_head.norm.weight"] = t["model.language_model.norm.weight"].clone()
-    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def test_exact_drafts_are_accepted_and_save_steps(tiny_ckpt, tmp_path):
-    path = _draft_is_exact(tiny_ckpt("default"), tmp_path / "exact-mtp")
+    path = tmp_path / "exact-mtp"
+    shutil.copytree(tiny_ckpt("default"), path)
+    make_exact_mtp(path)
     prompts = prompt_set(path, [5, 30, 120])
     want = hf_greedy(hf_model(path), prompts, 24)
     got, metrics = run_engine(path, prompts, 24, metrics=True, engine={

@@ -603,6 +603,26 @@ def test_parser_build_loaded_this_plugin(cli, vllm_env):
     assert vllm_glm53.register()  # idempotent: returns what the plugin load registered
 
 
-# Live CPU serving of the cpu-tiny recipe (R.cpu_plan on a `python -m vllm_glm53.tiny` checkpoint, started as
-# a real server and queried over HTTP) is added by the lead once serving works; it then flips cpu-tiny's status
-# to verified-here.
+@pytest.mark.engine
+@pytest.mark.serve
+def test_cpu_recipe_serves_the_tiny_checkpoint_for_real(tiny_ckpt):
+    """The cpu-tiny recipe, exactly as the builder prints it (only this environment's `vllm` and a free port),
+    started on a tiny checkpoint and asked for a completion over HTTP."""
+    from vllm_glm53.demo import Server, free_port
+
+    ckpt = tiny_ckpt("default")
+    port = free_port()
+    (launch,) = R.cpu_plan(ckpt, port=port).serve_launches()
+    argv = [str(Path(sys.executable).with_name("vllm")), *launch.argv[1:]]
+    server = Server(argv, dict(launch.env), echo=False)
+    try:
+        server.wait_healthy(f"http://127.0.0.1:{port}", timeout=600)
+        import requests
+
+        r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
+                          json={"model": str(ckpt), "prompt": "Hello", "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200, r.text[:500]
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        assert server.stop() == 0  # a clean shutdown
+    assert R.load_recipes()["cpu-tiny"].status == "verified-here"

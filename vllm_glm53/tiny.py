@@ -360,6 +360,37 @@ def _config_json(cfg: dict, layout: str, dtype: str) -> dict:
     return out
 
 
+def make_exact_mtp(path: str | os.PathLike) -> None:
+    """Rewrite a nested float checkpoint in place so that its MTP layer drafts exactly what the main model will
+    generate (for speculative-decoding tests and benchmarks).
+
+    Every attention and MLP output projection is zeroed, so the main model's prediction depends on the current
+    token only (its hidden state is ``norm(embed(token))``); the MTP layer is made to compute that same
+    function of the token it is given (``eh_proj`` passes the normed embedding through, the block adds
+    nothing, ``shared_head.norm`` is the final norm).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    if "text_config" not in cfg or "quantization_config" in cfg:
+        raise ValueError("make_exact_mtp needs a nested, unquantized checkpoint")
+    tensors = load_file(str(path / "model.safetensors"))
+    mtp = f"model.language_model.layers.{cfg['text_config']['num_hidden_layers']}."
+    for name, t in tensors.items():
+        if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
+            tensors[name] = torch.zeros_like(t)
+    eh = tensors[mtp + "eh_proj.weight"]
+    d = eh.shape[0]
+    passthrough = torch.zeros(d, 2 * d)
+    passthrough[:, :d] = torch.eye(d)
+    tensors[mtp + "eh_proj.weight"] = passthrough.to(eh.dtype)
+    tensors[mtp + "enorm.weight"] = torch.ones_like(tensors[mtp + "enorm.weight"])
+    tensors[mtp + "shared_head.norm.weight"] = tensors["model.language_model.norm.weight"].clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vllm_glm53.tiny", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
@@ -371,9 +402,13 @@ def main(argv: list[str] | None = None) -> None:
     quant.add_argument("--w8a8", action="store_true",
                        help="store MLP weights as msmodelslim W8A8_DYNAMIC (the Ascend A2/A3 checkpoint)")
     parser.add_argument("--layout", choices=["nested", "flat"], default="nested")
+    parser.add_argument("--exact-mtp", action="store_true",
+                        help="zero the main model's sublayers and make the MTP layer draft exactly (spec-decode tests)")
     args = parser.parse_args(argv)
     overrides = json.loads(Path(args.config).read_text()) if args.config else None
     path = build_checkpoint(args.out_dir, overrides, args.seed, args.dtype, args.fp8, args.layout, args.w8a8)
+    if args.exact_mtp:
+        make_exact_mtp(path)
     print(f"wrote tiny GLM-5.3 checkpoint to {path}")
 
 
