@@ -6,16 +6,27 @@ complete pools are scored; the query's own incomplete pool (its "tail") is appen
 Index rows produced here are sorted ascending — selected pools in pool order, each expanded to its ``kp``
 tokens, then the tail — and padded on the right with -1. transformers emits the same sets in top-k order;
 every consumer in this package treats a row as a set.
+
+Compression, scoring and selection run as compiled kernels (csrc/indexer.cpp) when those are built
+(:mod:`vllm_glm53.backends.cpu.kernels`), else as the plain PyTorch below (kept under ``*_torch`` names, the
+reference the kernels are tested against). Both break exact ties with the same ``torch.topk`` call over the same
+row layout. :func:`select_batch` is the batch form over the paged cache.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from vllm_glm53.backends.cpu import kernels
+from vllm_glm53.backends.cpu.paged import as_index, sequence_rows
 
 __all__ = [
     "kpool_compress",
     "index_scores",
     "select_tokens",
+    "select_batch",
     "all_candidates_fit",
     "dense_causal_indices",
     "index_width",
@@ -29,6 +40,14 @@ def kpool_compress(k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Tensor
     (the tokens of complete pools, in order). Returns ``[T // kp, dI]`` float32. The softmax runs over the kp
     slots of a pool, for each channel separately.
     """
+    ops = kernels.for_tensors(k, gate_logits, ape)
+    if ops is not None:
+        return ops.kpool_compress(k, gate_logits, ape)
+    return kpool_compress_torch(k, gate_logits, ape)
+
+
+def kpool_compress_torch(k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """The plain-torch form of :func:`kpool_compress`."""
     kp, dI = ape.shape
     T = k.shape[0]
     if T % kp:
@@ -44,6 +63,14 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor) -
     q: ``[Tq, nI, dI]``; weights: ``[Tq, nI]`` (already multiplied by ``nI**-0.5``); pooled: ``[P, dI]``.
     Returns ``[Tq, P]``. Causality is not applied here (see :func:`select_tokens`).
     """
+    ops = kernels.for_tensors(q, weights, pooled)
+    if ops is not None:
+        return ops.index_scores(q, weights, pooled)
+    return index_scores_torch(q, weights, pooled)
+
+
+def index_scores_torch(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    """The plain-torch form of :func:`index_scores`."""
     dI = q.shape[-1]
     logits = torch.matmul(q.to(torch.float32), pooled.to(torch.float32).t())  # [Tq, nI, P]
     logits = torch.relu(logits * dI**-0.5)
@@ -97,6 +124,20 @@ def select_tokens(
 
     Returns ``[Tq, index_width(topk, kp, always_select_tail)]`` int64, each row ascending, -1 padded.
     """
+    ops = kernels.for_tensors(*(() if scores is None else (scores,)))
+    if ops is not None and positions.device.type == "cpu":
+        return ops.select_tokens(scores, positions, topk, kp, always_select_tail)
+    return select_tokens_torch(scores, positions, topk, kp, always_select_tail)
+
+
+def select_tokens_torch(
+    scores: torch.Tensor | None,
+    positions: torch.Tensor,
+    topk: int,
+    kp: int,
+    always_select_tail: bool = True,
+) -> torch.Tensor:
+    """The plain-torch form of :func:`select_tokens`."""
     positions = positions.to(torch.int64)
     if all_candidates_fit(int(positions.max()), topk, kp):
         return dense_causal_indices(positions, topk, kp, always_select_tail)
@@ -138,4 +179,68 @@ def select_tokens(
         tail_len = ((positions + 1) % kp).unsqueeze(1)
         in_tail = (col >= n_pool_tokens) & (col < n_pool_tokens + tail_len)
         out = torch.where(in_tail, tail_start + col - n_pool_tokens, out)
+    return out
+
+
+def select_batch(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    rows: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: Sequence[int] | torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    ape: torch.Tensor,
+    key_offset: int,
+    topk: int,
+    kp: int,
+    always_select_tail: bool = True,
+) -> torch.Tensor:
+    """Index rows for every query of a batch, reading the indexer keys from the paged cache.
+
+    q ``[T, nI, dI]`` and weights ``[T, nI]`` as in :func:`index_scores`, request r's queries at
+    ``query_start_loc[r]:query_start_loc[r+1]``, which are its last positions (``seq_lens[r]`` tokens in all);
+    rows ``[num_blocks, block_size, R]`` cache pages holding each token's indexer key at
+    ``[key_offset, key_offset + dI)`` and its pooling-gate logits right after; block_table ``[num_reqs,
+    max_blocks]``. Returns ``[T, index_width]`` int64, each row as :func:`select_tokens` gives it for that
+    request scored over transformers' row layout (``ceil(seq_len / kp)`` columns).
+    """
+    ops = kernels.for_tensors(q, weights, rows, ape)
+    if ops is not None and rows.stride(-1) == 1:
+        return ops.indexer_select(q, weights, rows, block_table, as_index(query_start_loc), as_index(seq_lens), ape,
+                                  key_offset, topk, kp, always_select_tail)
+    return select_batch_torch(q, weights, rows, block_table, query_start_loc, seq_lens, ape, key_offset, topk, kp,
+                              always_select_tail)
+
+
+def select_batch_torch(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    rows: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: Sequence[int] | torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    ape: torch.Tensor,
+    key_offset: int,
+    topk: int,
+    kp: int,
+    always_select_tail: bool = True,
+) -> torch.Tensor:
+    """The plain-torch form of :func:`select_batch`: per request, gather its keys, compress, score, select."""
+    dI = q.shape[-1]
+    starts, lens = as_index(query_start_loc).tolist(), as_index(seq_lens).tolist()
+    out = torch.full((q.shape[0], index_width(topk, kp, always_select_tail)), -1, dtype=torch.int64)
+    for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+        if hi == lo:
+            continue
+        seq_len = lens[r]
+        positions = torch.arange(seq_len - (hi - lo), seq_len)
+        scores = None
+        if not all_candidates_fit(seq_len - 1, topk, kp):
+            n_pooled = seq_len // kp * kp
+            keys = sequence_rows(rows, block_table[r], n_pooled)[:, key_offset : key_offset + 2 * dI]
+            pooled = kpool_compress_torch(keys[:, :dI], keys[:, dI:], ape)
+            scores = index_scores_torch(q[lo:hi], weights[lo:hi], pooled)
+            if seq_len % kp:  # transformers' row layout has a column for the incomplete pool (never chosen)
+                scores = torch.nn.functional.pad(scores, (0, 1))
+        out[lo:hi] = select_tokens_torch(scores, positions, topk, kp, always_select_tail)
     return out

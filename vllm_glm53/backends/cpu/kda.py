@@ -1,4 +1,8 @@
-"""KDA (Kimi Delta Attention) kernels in plain PyTorch — architecture.md section 5.
+"""KDA (Kimi Delta Attention) kernels for the CPU — architecture.md section 5.
+
+The decode step, the decode-time short conv and the prefill recurrence run as compiled kernels (csrc/kda.cpp)
+when those are built (:mod:`vllm_glm53.backends.cpu.kernels`), else as the plain PyTorch below; each plain form
+is kept under a ``*_torch`` name, the reference the compiled op is tested against.
 
 Layouts (one sequence unless "batch" is said):
   * activations ``[T, C]`` token-major; heads ``[T, H, d]``;
@@ -19,16 +23,24 @@ import math
 import torch
 import torch.nn.functional as F
 
+from vllm_glm53.backends.cpu import kernels
+
 __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
+    "causal_conv1d_update_slots",
     "kda_gate",
     "l2norm_qk",
     "kda_chunked",
     "kda_recurrent",
     "kda_decode_step",
+    "kda_decode_step_slots",
     "gated_rmsnorm",
 ]
+
+def _f32_state(state: torch.Tensor) -> bool:
+    """The compiled delta rule updates float32 states whose rows (last dim) are contiguous, in place."""
+    return state.dtype == torch.float32 and state.stride(-1) == 1
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -62,8 +74,42 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, state: torch.Ten
     """One decode step for a batch: x ``[B, C]``, weight ``[C, K]``, state ``[B, C, K-1]`` updated IN PLACE
     (shifted left by one, ``x`` written as the newest column). Returns SiLU(conv) ``[B, C]`` in ``x.dtype``.
 
-    If the caller gathered ``state`` out of a pool by slot index (a copy), it must scatter it back.
+    If the caller gathered ``state`` out of a pool by slot index (a copy), it must scatter it back; or use
+    :func:`causal_conv1d_update_slots`, which works on the pool directly.
     """
+    ops = kernels.for_tensors(x, weight, state)
+    if ops is not None:
+        return ops.causal_conv1d_update(x, weight, state, None)
+    return causal_conv1d_update_torch(x, weight, state)
+
+
+def causal_conv1d_update_slots(
+    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """:func:`causal_conv1d_update` on the conv states ``pool[slots[b]]`` of a state pool ``[N, C, K-1]``
+    (any strides), updated in place without a gather/scatter copy. Negative slots (padding) are left alone
+    and give zeros."""
+    ops = kernels.for_tensors(x, weight, pool)
+    if ops is not None:
+        return ops.causal_conv1d_update(x, weight, pool, slots)
+    return causal_conv1d_update_slots_torch(x, weight, pool, slots)
+
+
+def causal_conv1d_update_slots_torch(
+    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """The plain-torch form of :func:`causal_conv1d_update_slots` (gather, update, scatter)."""
+    valid = slots >= 0
+    out = torch.zeros_like(x)
+    idx = slots[valid].to(torch.int64)
+    state = pool[idx]
+    out[valid] = causal_conv1d_update_torch(x[valid], weight, state)
+    pool[idx] = state
+    return out
+
+
+def causal_conv1d_update_torch(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The plain-torch form of :func:`causal_conv1d_update`."""
     window = torch.cat([state.to(torch.float32), x.to(torch.float32).unsqueeze(-1)], dim=-1)  # [B, C, K]
     y = (window * weight.to(torch.float32)).sum(-1)
     state.copy_(window[..., 1:])
@@ -208,6 +254,29 @@ def kda_chunked(
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill of one sequence: same maths, shapes and results as :func:`kda_recurrent`, ``(o [T, H, dv],
+    state [H, dk, dv])`` float32, the input state not modified.
+
+    Compiled: the exact recurrence with the state held in L1 one column group at a time (csrc/kda.cpp);
+    ``chunk_size`` only shapes the torch form, :func:`kda_chunked_torch`.
+    """
+    ops = kernels.for_tensors(q, k, v, g, beta)
+    if ops is not None:
+        f32 = (t.to(torch.float32) for t in (q, k, v, g, beta))
+        init = None if initial_state is None else initial_state.to(torch.float32)
+        return tuple(ops.kda_prefill(*f32, init))
+    return kda_chunked_torch(q, k, v, g, beta, initial_state, chunk_size)
+
+
+def kda_chunked_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked (WY / UT-transform) delta rule for one sequence: same maths as :func:`kda_recurrent`.
 
     Shapes as in :func:`kda_recurrent`. ``g`` must be <= 0 (a decay), which both gate forms guarantee.
@@ -278,8 +347,63 @@ def kda_decode_step(
     ``[B, H, dk, dv]`` float32 updated IN PLACE. Returns o ``[B, H, dv]`` float32.
 
     ``state`` may be a view into a state pool (then the pool is updated directly); if the caller gathered it
-    by slot index (``pool[slots]`` makes a copy) it must scatter the result back (``pool[slots] = state``).
+    by slot index (``pool[slots]`` makes a copy) it must scatter the result back (``pool[slots] = state``), or
+    use :func:`kda_decode_step_slots`, which works on the pool directly.
+
+    Compiled: decay, read, delta update and output in one fused pass over each state (csrc/kda.cpp).
     """
+    ops = kernels.for_tensors(q, k, v, g, beta)
+    if ops is not None and _f32_state(state):
+        return ops.kda_decode_step(*(t.to(torch.float32) for t in (q, k, v, g, beta)), state, None)
+    return kda_decode_step_torch(q, k, v, g, beta, state)
+
+
+def kda_decode_step_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`kda_decode_step` on the states ``pool[slots[b]]`` of a state pool ``[N, H, dk, dv]`` float32
+    (any slot/head strides), updated in place: no gather/scatter copy of the states, so each state is read
+    and written once. Negative slots (padding) are left alone and give zeros."""
+    ops = kernels.for_tensors(q, k, v, g, beta)
+    if ops is not None and _f32_state(pool):
+        return ops.kda_decode_step(*(t.to(torch.float32) for t in (q, k, v, g, beta)), pool, slots)
+    return kda_decode_step_slots_torch(q, k, v, g, beta, pool, slots)
+
+
+def kda_decode_step_slots_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """The plain-torch form of :func:`kda_decode_step_slots` (gather, step, scatter)."""
+    valid = slots >= 0
+    out = torch.zeros(*q.shape[:2], v.shape[-1], dtype=torch.float32, device=q.device)
+    idx = slots[valid].to(torch.int64)
+    state = pool[idx]
+    out[valid] = kda_decode_step_torch(q[valid], k[valid], v[valid], g[valid], beta[valid], state)
+    pool[idx] = state
+    return out
+
+
+def kda_decode_step_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """The plain-torch form of :func:`kda_decode_step`."""
     q, k, v, g, beta = (t.to(torch.float32) for t in (q, k, v, g, beta))
     state.mul_(torch.exp(g).unsqueeze(-1))
     r = torch.einsum("bhkv,bhk->bhv", state, k)

@@ -6,13 +6,23 @@ latent (``kv_a_layernorm`` output) of token s:
     o_lat[t, h] = sum_{s in S_t} softmax_s(scale * q_lat[t, h] . c_s) c_s
     o[t, h]     = W_UV[h] o_lat[t, h]
 which equals attention with ``k_s = W_UK[h] c_s``, ``v_s = W_UV[h] c_s`` restricted to the selected set S_t.
+
+The attention itself runs as a compiled kernel (csrc/sparse_mla.cpp) when that is built
+(:mod:`vllm_glm53.backends.cpu.kernels`), else as plain PyTorch (``sparse_latent_attention_torch``, the reference
+the kernel is tested against). :func:`sparse_latent_attention_paged` is the batch form over the paged cache: the
+kernel reads only the selected rows, in place, so a decode step costs O(index width) however long the context.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["split_kv_b", "absorb_q", "apply_uv", "sparse_latent_attention"]
+from vllm_glm53.backends.cpu import kernels
+from vllm_glm53.backends.cpu.paged import as_index, sequence_rows
+
+__all__ = ["split_kv_b", "absorb_q", "apply_uv", "sparse_latent_attention", "sparse_latent_attention_paged"]
 
 # Upper bound on the elements of one query chunk's intermediate (gathered latents or logits): ~64 MiB in fp32.
 _CHUNK_ELEMS = 1 << 24
@@ -56,9 +66,73 @@ def sparse_latent_attention(
     """Attention of absorbed queries over the selected latent rows of one sequence.
 
     q_lat: ``[Tq, H, L]`` (see :func:`absorb_q`); latent: ``[S, L]`` the normalised ``c_kv`` of positions
-    ``0..S-1``; indices: ``[Tq, N]`` positions to attend (distinct within a row, any order), -1 = unused;
-    scale: softmax scale (``qk_head_dim ** -0.5``). Returns ``o_lat [Tq, H, L]`` in ``q_lat.dtype`` (apply
-    :func:`apply_uv` next). Softmax and accumulation in float32; a query with no valid index gets zeros.
+    ``0..S-1`` (rows may be strided, e.g. a column slice of cache rows); indices: ``[Tq, N]`` positions to
+    attend (distinct within a row, any order), -1 = unused; scale: softmax scale (``qk_head_dim ** -0.5``).
+    Returns ``o_lat [Tq, H, L]`` in ``q_lat.dtype`` (apply :func:`apply_uv` next). Softmax and accumulation in
+    float32; a query with no valid index gets zeros.
+    """
+    ops = kernels.for_tensors(q_lat, latent)
+    if ops is not None and latent.shape[0] > 0 and latent.stride(-1) == 1:
+        # The whole sequence as one page of S rows.
+        table = torch.zeros(1, 1, dtype=torch.int64)
+        starts = torch.tensor([0, q_lat.shape[0]], dtype=torch.int64)
+        return ops.sparse_latent_attention(q_lat, latent.unsqueeze(0), table, starts, indices, scale, latent.shape[1])
+    return sparse_latent_attention_torch(q_lat, latent, indices, scale, max_chunk_elems)
+
+
+def sparse_latent_attention_paged(
+    q_lat: torch.Tensor,
+    rows: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: Sequence[int] | torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    latent_dim: int,
+) -> torch.Tensor:
+    """:func:`sparse_latent_attention` for a whole batch, reading the paged cache in place.
+
+    q_lat ``[T, H, L]``: the queries of all requests, request r's at ``query_start_loc[r]:query_start_loc[r+1]``;
+    rows ``[num_blocks, block_size, R]``: cache pages whose first ``latent_dim`` (= L) values per row are the
+    latent; block_table ``[num_reqs, max_blocks]``; seq_lens ``[num_reqs]`` tokens per request; indices
+    ``[T, N]`` positions within each query's request, -1 = unused. Returns ``o_lat [T, H, L]`` in q_lat's dtype.
+    """
+    ops = kernels.for_tensors(q_lat, rows)
+    if ops is not None and rows.stride(-1) == 1:
+        return ops.sparse_latent_attention(q_lat, rows, block_table, as_index(query_start_loc), indices, scale,
+                                           latent_dim)
+    return sparse_latent_attention_paged_torch(q_lat, rows, block_table, query_start_loc, seq_lens, indices, scale,
+                                               latent_dim)
+
+
+def sparse_latent_attention_paged_torch(
+    q_lat: torch.Tensor,
+    rows: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: Sequence[int] | torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    latent_dim: int,
+) -> torch.Tensor:
+    """The plain-torch form of :func:`sparse_latent_attention_paged`: per request, gather its rows and attend."""
+    starts, lens = as_index(query_start_loc).tolist(), as_index(seq_lens).tolist()
+    out = torch.zeros_like(q_lat)
+    for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+        if hi > lo:
+            latent = sequence_rows(rows, block_table[r], lens[r])[:, :latent_dim]
+            out[lo:hi] = sparse_latent_attention_torch(q_lat[lo:hi], latent, indices[lo:hi], scale)
+    return out
+
+
+def sparse_latent_attention_torch(
+    q_lat: torch.Tensor,
+    latent: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    max_chunk_elems: int = _CHUNK_ELEMS,
+) -> torch.Tensor:
+    """The plain-torch form of :func:`sparse_latent_attention`.
 
     Two equivalent vectorised forms, chosen per call by cost: gather the N selected rows per query (long
     contexts), or score all S rows and mask (when S is not much larger than N, e.g. dense prefill). Queries are

@@ -1,0 +1,19 @@
+// What every kernel file shares besides vec.h: the dtype dispatch for cache rows and activations.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "vec.h"
+
+// Runs the lambda with ``scalar_t`` bound to the C++ type of a float32 / bfloat16 / float16 tensor (the dtypes
+// vec.h loads); anything else is an error naming ``what``.
+#define GLM53_DISPATCH_FLOAT_TYPES(dtype, what, ...)                                              \
+  [&] {                                                                                           \
+    switch (dtype) {                                                                              \
+      case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }                          \
+      case at::kBFloat16: { using scalar_t = c10::BFloat16; return __VA_ARGS__(); }               \
+      case at::kHalf: { using scalar_t = c10::Half; return __VA_ARGS__(); }                       \
+      default: TORCH_CHECK(false, what, ": unsupported dtype ", dtype);                           \
+    }                                                                                             \
+  }()

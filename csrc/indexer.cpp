@@ -1,0 +1,262 @@
+// Lightning indexer with k-pool compression on CPU: pool compression, pool scores and top-k selection, per
+// sequence (the contracts of vllm_glm53/backends/cpu/indexer.py) and fused over a batch read straight from
+// the paged latent cache.
+//
+// Exact ties between pool scores are common (ReLU makes many scores exactly 0) and transformers breaks them
+// with torch.topk over its row layout, so selection here calls the very same at::topk on the same row layout
+// (``ceil(seq_len / kp)`` columns, non-candidates at float32's lowest value). at::topk's choice depends only on
+// the order relations inside a row: scores that differ from the torch backend's by rounding alone select the
+// same pools.
+
+#include "common.h"
+
+#include <limits>
+#include <vector>
+
+
+namespace glm53 {
+namespace {
+
+constexpr float kLowest = std::numeric_limits<float>::lowest();
+constexpr int64_t kMaxPool = 64;     // largest supported kp (stack space for one pool's softmax)
+constexpr int64_t kPoolChunk = 32;   // pools per work item in the fused batch op
+
+// K[c] = sum_j softmax_j(gate_j[c] + ape[j, c]) * key_j[c] for one pool; key[j] / gate[j] are its kp rows.
+template <typename T>
+void compress_pool(const T* const* key, const T* const* gate, const float* ape, int64_t kp, int64_t dI, float* out) {
+  F16 e[kMaxPool];
+  for (int64_t c = 0; c < dI; c += kLanes) {
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, dI - c));
+    F16 mx = set1(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < kp; ++j) {
+      e[j] = load(gate[j] + c, m) + load(ape + j * dI + c, m);
+      mx = vmax(mx, e[j]);
+    }
+    F16 sum = zero();
+    for (int64_t j = 0; j < kp; ++j) {
+      e[j] = exp(e[j] - mx);
+      sum = sum + e[j];
+    }
+    F16 acc = zero();
+    for (int64_t j = 0; j < kp; ++j) acc = fma(e[j] / sum, load(key[j] + c, m), acc);
+    store(out + c, acc, m);
+  }
+}
+
+// sum_h w[h] * relu(scale * q[h] . K) with q [nI, dI] and w [nI] float32.
+inline float pool_score(const float* K, const float* q, const float* w, int64_t nI, int64_t dI, float scale) {
+  float s = 0.0f;
+  for (int64_t h = 0; h < nI; ++h) s += w[h] * std::max(scale * dot(q + h * dI, K, dI), 0.0f);
+  return s;
+}
+
+inline int64_t index_width(int64_t topk, int64_t kp, bool tail) { return topk + (tail ? kp - 1 : 0); }
+
+inline bool all_candidates_fit(int64_t max_position, int64_t topk, int64_t kp) {
+  return (max_position + 1) / kp <= topk / kp;
+}
+
+// Every complete pool plus the tail if enabled: tokens 0..end-1, then -1.
+void dense_row(int64_t pos, int64_t kp, bool tail, int64_t width, int64_t* out) {
+  const int64_t end = tail ? pos + 1 : (pos + 1) / kp * kp;
+  for (int64_t c = 0; c < width; ++c) out[c] = c < end ? c : -1;
+}
+
+// The chosen pools (the top-k entries that are candidates, ascending) expanded to their tokens, then the tail.
+void expand_row(const int64_t* top, int64_t n_top, int64_t pos, int64_t kp, bool tail, int64_t width, int64_t* out) {
+  const int64_t n_cand = (pos + 1) / kp;
+  std::vector<int64_t> pools;
+  pools.reserve(n_top);
+  for (int64_t i = 0; i < n_top; ++i)
+    if (top[i] < n_cand) pools.push_back(top[i]);
+  std::sort(pools.begin(), pools.end());
+  int64_t c = 0;
+  for (int64_t p : pools)
+    for (int64_t j = 0; j < kp; ++j) out[c++] = p * kp + j;
+  if (tail)
+    for (int64_t s = n_cand * kp; s <= pos; ++s) out[c++] = s;
+  for (; c < width; ++c) out[c] = -1;
+}
+
+// Top-k over the rows of ``masked`` [n, P] (the torch backend's exact call) and expansion into ``out`` [n, width].
+void select_rows(const at::Tensor& masked, const int64_t* positions, int64_t topk, int64_t kp, bool tail,
+                 int64_t width, int64_t* out) {
+  const int64_t n = masked.size(0), P = masked.size(1);
+  at::Tensor top = std::get<1>(at::topk(masked, std::min(topk / kp, P), 1, /*largest=*/true, /*sorted=*/true));
+  top = top.contiguous();
+  const int64_t k = top.size(1);
+  const int64_t* tp = top.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) expand_row(tp + t * k, k, positions[t], kp, tail, width, out + t * width);
+}
+
+at::Tensor float_contiguous(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+}  // namespace
+
+// k, gate [T, dI] (rows may be strided, any float dtype), ape [kp, dI]; T a multiple of kp. Returns [T/kp, dI] f32.
+at::Tensor kpool_compress(const at::Tensor& k_, const at::Tensor& gate_, const at::Tensor& ape_) {
+  const int64_t kp = ape_.size(0), dI = ape_.size(1), T = k_.size(0);
+  TORCH_CHECK_VALUE(T % kp == 0, "kpool_compress needs whole pools: ", T, " tokens, pool size ", kp);
+  TORCH_CHECK(kp <= kMaxPool, "kpool_compress: pool size ", kp, " above ", kMaxPool);
+  at::Tensor k = k_.stride(-1) == 1 ? k_ : k_.contiguous();
+  at::Tensor gate = gate_.to(k.scalar_type());
+  gate = gate.stride(-1) == 1 ? gate : gate.contiguous();
+  at::Tensor ape = float_contiguous(ape_);
+  at::Tensor out = at::empty({T / kp, dI}, k.options().dtype(at::kFloat));
+  GLM53_DISPATCH_FLOAT_TYPES(k.scalar_type(), "kpool_compress", [&] {
+    const scalar_t* kb = k.data_ptr<scalar_t>();
+    const scalar_t* gb = gate.data_ptr<scalar_t>();
+    at::parallel_for(0, T / kp, 16, [&](int64_t p0, int64_t p1) {
+      const scalar_t* krow[kMaxPool];
+      const scalar_t* grow[kMaxPool];
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t j = 0; j < kp; ++j) {
+          krow[j] = kb + (p * kp + j) * k.stride(0);
+          grow[j] = gb + (p * kp + j) * gate.stride(0);
+        }
+        compress_pool(krow, grow, ape.data_ptr<float>(), kp, dI, out.data_ptr<float>() + p * dI);
+      }
+    });
+  });
+  return out;
+}
+
+// q [Tq, nI, dI], weights [Tq, nI], pooled [P, dI] -> scores [Tq, P] float32 (no causality).
+at::Tensor index_scores(const at::Tensor& q_, const at::Tensor& w_, const at::Tensor& pooled_) {
+  at::Tensor q = float_contiguous(q_), w = float_contiguous(w_), pooled = float_contiguous(pooled_);
+  const int64_t Tq = q.size(0), nI = q.size(1), dI = q.size(2), P = pooled.size(0);
+  const float scale = static_cast<float>(std::pow(static_cast<double>(dI), -0.5));
+  at::Tensor out = at::empty({Tq, P}, q.options());
+  const float *qp = q.data_ptr<float>(), *wp = w.data_ptr<float>(), *kp = pooled.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, Tq * P, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / P, p = i % P;
+      op[i] = pool_score(kp + p * dI, qp + t * nI * dI, wp + t * nI, nI, dI, scale);
+    }
+  });
+  return out;
+}
+
+// Same contract as the torch select_tokens: [Tq, width] int64, rows ascending, -1 padded.
+at::Tensor select_tokens(const std::optional<at::Tensor>& scores, const at::Tensor& positions_, int64_t topk,
+                         int64_t kp, bool tail) {
+  at::Tensor positions = positions_.to(at::kLong).contiguous();
+  const int64_t Tq = positions.size(0), width = index_width(topk, kp, tail);
+  at::Tensor out = at::empty({Tq, width}, positions.options());
+  if (Tq == 0) return out;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t max_pos = *std::max_element(pos, pos + Tq);
+  if (all_candidates_fit(max_pos, topk, kp)) {
+    for (int64_t t = 0; t < Tq; ++t) dense_row(pos[t], kp, tail, width, op + t * width);
+    return out;
+  }
+  TORCH_CHECK_VALUE(scores.has_value(),
+              "select_tokens needs scores once a query has more than topk // kp candidate pools");
+  at::Tensor masked = scores->to(at::kFloat).clone(at::MemoryFormat::Contiguous);
+  const int64_t P = masked.size(1);
+  TORCH_CHECK_VALUE((max_pos + 1) / kp <= P, "scores cover ", P, " pools but a query has ", (max_pos + 1) / kp,
+              " complete pools");
+  float* mp = masked.data_ptr<float>();
+  for (int64_t t = 0; t < Tq; ++t)
+    for (int64_t p = (pos[t] + 1) / kp; p < P; ++p) mp[t * P + p] = kLowest;
+  select_rows(masked, pos, topk, kp, tail, width, op);
+  return out;
+}
+
+// The whole batch at once, reading the paged cache. rows [num_blocks, block_size, R] holds per token the
+// indexer key at [key_offset, key_offset + dI) and the pooling gate logits right after it; block_table
+// [num_reqs, max_blocks]; query_start_loc [num_reqs + 1]; seq_lens [num_reqs] (tokens including this step's).
+// Request r's queries are its last q_len positions. q [T, nI, dI], weights [T, nI]. Returns [T, width] int64,
+// positions within each request, rows ascending, -1 padded: equal to scoring each request with
+// kpool_compress / index_scores over transformers' row layout and calling select_tokens.
+at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::Tensor& rows,
+                          const at::Tensor& block_table_, const at::Tensor& query_start_loc_,
+                          const at::Tensor& seq_lens_, const at::Tensor& ape_, int64_t key_offset, int64_t topk,
+                          int64_t kp, bool tail) {
+  at::Tensor q = float_contiguous(q_), w = float_contiguous(w_), ape = float_contiguous(ape_);
+  at::Tensor bt = block_table_.to(at::kLong).contiguous();
+  at::Tensor qsl = query_start_loc_.to(at::kLong).contiguous(), sl = seq_lens_.to(at::kLong).contiguous();
+  TORCH_CHECK(rows.dim() == 3 && rows.stride(2) == 1, "indexer_select: rows must be [blocks, block_size, R]");
+  TORCH_CHECK(kp <= kMaxPool, "indexer_select: pool size ", kp, " above ", kMaxPool);
+  const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2);
+  TORCH_CHECK(key_offset + 2 * dI <= rows.size(2), "indexer_select: key and gate do not fit in a cache row");
+  const int64_t n_req = sl.size(0), block_size = rows.size(1), n_blocks = rows.size(0), max_blocks = bt.size(1);
+  const int64_t width = index_width(topk, kp, tail);
+  const float scale = static_cast<float>(std::pow(static_cast<double>(dI), -0.5));
+  const int64_t *qs = qsl.data_ptr<int64_t>(), *lens = sl.data_ptr<int64_t>(), *btp = bt.data_ptr<int64_t>();
+  at::Tensor out = at::full({T, width}, -1, q.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+
+  // Score buffers of the sparse requests, [q_len, ceil(seq_len / kp)] each, in one allocation; the work items
+  // of phase 1 are (request, chunk of pools).
+  std::vector<int64_t> buf_off(n_req + 1, 0);
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t r = 0; r < n_req; ++r) {
+    const int64_t q_len = qs[r + 1] - qs[r], S = lens[r];
+    TORCH_CHECK(q_len <= S, "indexer_select: request ", r, " has more queries than tokens");
+    TORCH_CHECK((S + block_size - 1) / block_size <= max_blocks, "indexer_select: block table too short");
+    int64_t cols = 0;
+    if (q_len > 0 && !all_candidates_fit(S - 1, topk, kp)) {
+      cols = (S + kp - 1) / kp;
+      for (int64_t p0 = 0; p0 < S / kp; p0 += kPoolChunk) items.emplace_back(r, p0);
+    }
+    buf_off[r + 1] = buf_off[r] + q_len * cols;
+  }
+  std::vector<float> scores(buf_off[n_req], kLowest);
+
+  GLM53_DISPATCH_FLOAT_TYPES(rows.scalar_type(), "indexer_select", [&] {
+    const scalar_t* base = rows.data_ptr<scalar_t>();
+    auto token_row = [&](int64_t r, int64_t s) {
+      const int64_t blk = btp[r * max_blocks + s / block_size];
+      TORCH_CHECK(blk >= 0 && blk < n_blocks, "indexer_select: block id ", blk, " outside the cache");
+      return base + blk * rows.stride(0) + (s % block_size) * rows.stride(1) + key_offset;
+    };
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> pooled(kPoolChunk * dI);
+      const scalar_t* krow[kMaxPool];
+      const scalar_t* grow[kMaxPool];
+      for (int64_t i = i0; i < i1; ++i) {
+        const auto [r, p0] = items[i];
+        const int64_t S = lens[r], q0 = qs[r], q_len = qs[r + 1] - q0, cols = (S + kp - 1) / kp;
+        const int64_t p1 = std::min(p0 + kPoolChunk, S / kp);
+        for (int64_t p = p0; p < p1; ++p) {
+          for (int64_t j = 0; j < kp; ++j) {
+            krow[j] = token_row(r, p * kp + j);
+            grow[j] = krow[j] + dI;
+          }
+          compress_pool(krow, grow, ape.data_ptr<float>(), kp, dI, pooled.data() + (p - p0) * dI);
+        }
+        float* sc = scores.data() + buf_off[r];
+        for (int64_t t = 0; t < q_len; ++t) {
+          const int64_t n_cand = (S - q_len + t + 1) / kp;  // pools complete at this query's position
+          const float* qt = q.data_ptr<float>() + (q0 + t) * nI * dI;
+          const float* wt = w.data_ptr<float>() + (q0 + t) * nI;
+          for (int64_t p = p0; p < std::min(p1, n_cand); ++p)
+            sc[t * cols + p] = pool_score(pooled.data() + (p - p0) * dI, qt, wt, nI, dI, scale);
+        }
+      }
+    });
+  });
+
+  at::parallel_for(0, n_req, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> pos;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t S = lens[r], q0 = qs[r], q_len = qs[r + 1] - q0;
+      if (q_len == 0) continue;
+      pos.resize(q_len);
+      for (int64_t t = 0; t < q_len; ++t) pos[t] = S - q_len + t;
+      if (buf_off[r + 1] == buf_off[r]) {
+        for (int64_t t = 0; t < q_len; ++t) dense_row(pos[t], kp, tail, width, op + (q0 + t) * width);
+        continue;
+      }
+      const int64_t cols = (S + kp - 1) / kp;
+      at::Tensor masked = at::from_blob(scores.data() + buf_off[r], {q_len, cols}, at::kFloat);
+      select_rows(masked, pos.data(), topk, kp, tail, width, op + q0 * width);
+    }
+  });
+  return out;
+}
+
+}  // namespace glm53

@@ -1,0 +1,63 @@
+// The torch custom ops of vllm_glm53's CPU kernels (namespace ``vllm_glm53``), CPU implementations only.
+// Python reaches them as torch.ops.vllm_glm53.<name>; vllm_glm53/backends/cpu/kernels.py loads the library and
+// the backends pick these ops when it loaded.
+
+#include <torch/headeronly/version.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "common.h"
+
+namespace glm53 {
+
+at::Tensor kda_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                           const at::Tensor& beta, at::Tensor& state, const std::optional<at::Tensor>& slots);
+std::tuple<at::Tensor, at::Tensor> kda_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& g, const at::Tensor& beta,
+                                               const std::optional<at::Tensor>& initial_state);
+at::Tensor causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, at::Tensor& state,
+                                const std::optional<at::Tensor>& slots);
+at::Tensor kpool_compress(const at::Tensor& k, const at::Tensor& gate, const at::Tensor& ape);
+at::Tensor index_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& pooled);
+at::Tensor select_tokens(const std::optional<at::Tensor>& scores, const at::Tensor& positions, int64_t topk,
+                         int64_t kp, bool always_select_tail);
+at::Tensor indexer_select(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& rows,
+                          const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                          const at::Tensor& seq_lens, const at::Tensor& ape, int64_t key_offset, int64_t topk,
+                          int64_t kp, bool always_select_tail);
+at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& rows, const at::Tensor& block_table,
+                                   const at::Tensor& query_start_loc, const at::Tensor& indices, double scale,
+                                   int64_t latent_dim);
+
+// "<isa> torch <version>": what this library was built for, checked by the loader and shown in its log line.
+std::string build_info() { return std::string(isa_name()) + " torch " + TORCH_VERSION; }
+
+}  // namespace glm53
+
+TORCH_LIBRARY(vllm_glm53, m) {
+  m.def("build_info() -> str", &glm53::build_info);
+  m.def("kda_decode_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor? slots)"
+        " -> Tensor");
+  m.def("kda_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state)"
+        " -> (Tensor, Tensor)");
+  m.def("causal_conv1d_update(Tensor x, Tensor weight, Tensor(a!) state, Tensor? slots) -> Tensor");
+  m.def("kpool_compress(Tensor k, Tensor gate, Tensor ape) -> Tensor");
+  m.def("index_scores(Tensor q, Tensor weights, Tensor pooled) -> Tensor");
+  m.def("select_tokens(Tensor? scores, Tensor positions, int topk, int kp, bool always_select_tail) -> Tensor");
+  m.def("indexer_select(Tensor q, Tensor weights, Tensor rows, Tensor block_table, Tensor query_start_loc,"
+        " Tensor seq_lens, Tensor ape, int key_offset, int topk, int kp, bool always_select_tail) -> Tensor");
+  m.def("sparse_latent_attention(Tensor q_lat, Tensor rows, Tensor block_table, Tensor query_start_loc,"
+        " Tensor indices, float scale, int latent_dim) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
+  m.impl("kda_decode_step", &glm53::kda_decode_step);
+  m.impl("kda_prefill", &glm53::kda_prefill);
+  m.impl("causal_conv1d_update", &glm53::causal_conv1d_update);
+  m.impl("kpool_compress", &glm53::kpool_compress);
+  m.impl("index_scores", &glm53::index_scores);
+  m.impl("select_tokens", &glm53::select_tokens);
+  m.impl("indexer_select", &glm53::indexer_select);
+  m.impl("sparse_latent_attention", &glm53::sparse_latent_attention);
+}

@@ -1,0 +1,132 @@
+// Absorbed sparse MLA on CPU: attention of latent-space queries over the selected rows of the paged latent
+// cache (the contract of vllm_glm53/backends/cpu/sparse_mla.py, batched over requests).
+//
+// Each query reads only its selected rows, straight from the cache pages through the block table, so a decode
+// step costs O(index width), not O(context). Rows are taken in blocks of 16: all heads of the task score the
+// block, then fold it into their accumulators with an online softmax (running max and sum, rescaled once per
+// block), so every selected row is fetched from memory once per task.
+
+#include <torch/library.h>
+
+#include <vector>
+
+#include "common.h"
+
+namespace glm53 {
+namespace {
+
+constexpr int kBlock = kLanes;  // rows per online-softmax step (their logits fill one vector)
+
+// One query, heads [0, nh): q [nh, L] float32, rows[i] -> the L latent values of selected row i.
+// out [nh, L] = sum_i softmax_i(scale * q . row_i) row_i; zeros when there are no rows.
+template <typename T>
+void attend(const float* q, int64_t nh, int64_t L, const T* const* rows, int64_t n_rows, float scale, float* out,
+            float* row_buf /*[kBlock, L]*/, float* acc /*[nh, L]*/, float* run_max, float* run_sum) {
+  std::fill(acc, acc + nh * L, 0.0f);
+  std::fill(run_max, run_max + nh, -std::numeric_limits<float>::infinity());
+  std::fill(run_sum, run_sum + nh, 0.0f);
+  const float* blk[kBlock];
+  for (int64_t b0 = 0; b0 < n_rows; b0 += kBlock) {
+    const int nb = static_cast<int>(std::min<int64_t>(kBlock, n_rows - b0));
+    for (int j = 0; j < nb; ++j) {
+      if constexpr (std::is_same_v<T, float>) {
+        blk[j] = rows[b0 + j];
+      } else {
+        to_float(rows[b0 + j], row_buf + j * L, L);
+        blk[j] = row_buf + j * L;
+      }
+    }
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* qh = q + h * L;
+      float logit[kBlock];
+      for (int j = 0; j < nb; ++j) logit[j] = scale * dot(qh, blk[j], L);
+      float m_new = run_max[h];
+      for (int j = 0; j < nb; ++j) m_new = std::max(m_new, logit[j]);
+      const float corr = std::exp(run_max[h] - m_new);  // 0 on the first block (max was -inf)
+      F16 pv = exp(load(logit, nb) - set1(m_new));
+      float p[kBlock];
+      store(p, pv, nb);
+      run_sum[h] = run_sum[h] * corr + reduce_add(load(p, nb));
+      run_max[h] = m_new;
+      float* ah = acc + h * L;
+      const F16 cv = set1(corr);
+      for (int64_t c = 0; c < L; c += kLanes) {
+        const int m = static_cast<int>(std::min<int64_t>(kLanes, L - c));
+        F16 a = load(ah + c, m) * cv;
+        for (int j = 0; j < nb; ++j) a = fma(set1(p[j]), load(blk[j] + c, m), a);
+        store(ah + c, a, m);
+      }
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
+    for (int64_t c = 0; c < L; ++c) out[h * L + c] = acc[h * L + c] * inv;
+  }
+}
+
+}  // namespace
+
+// q_lat [T, H, L] (any float dtype); rows [num_blocks, block_size, R] the paged cache (float32 / bfloat16 /
+// float16, rows contiguous) whose first ``latent_dim`` values are the latent; block_table [num_reqs,
+// max_blocks]; query_start_loc [num_reqs + 1]; indices [T, N] positions within the query's request, -1 unused.
+// Returns o_lat [T, H, L] in q_lat's dtype (softmax and accumulation in float32).
+at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& rows, const at::Tensor& block_table_,
+                                   const at::Tensor& query_start_loc_, const at::Tensor& indices_, double scale_,
+                                   int64_t latent_dim) {
+  TORCH_CHECK(rows.dim() == 3 && rows.stride(2) == 1, "sparse_latent_attention: rows must be [blocks, size, R]");
+  const int64_t T = q_lat.size(0), H = q_lat.size(1), L = q_lat.size(2);
+  TORCH_CHECK(L == latent_dim && latent_dim <= rows.size(2), "sparse_latent_attention: latent width mismatch");
+  TORCH_CHECK(rows.size(1) > 0, "sparse_latent_attention: empty cache pages");
+  TORCH_CHECK(indices_.dim() == 2 && indices_.size(0) == T, "sparse_latent_attention: indices must be [T, N]");
+  at::Tensor q = q_lat.to(at::kFloat).contiguous();
+  at::Tensor idx = indices_.to(at::kLong).contiguous();
+  at::Tensor bt = block_table_.to(at::kLong).contiguous();
+  at::Tensor qsl = query_start_loc_.to(at::kLong).contiguous();
+  const int64_t N = idx.size(1), n_req = qsl.size(0) - 1, block_size = rows.size(1), n_blocks = rows.size(0);
+  const int64_t max_blocks = bt.size(1);
+  const float scale = static_cast<float>(scale_);
+  at::Tensor out = at::empty({T, H, L}, q.options());
+  if (T == 0) return out.to(q_lat.scalar_type());
+
+  // Request of each query.
+  const int64_t* qs = qsl.data_ptr<int64_t>();
+  TORCH_CHECK(qs[n_req] == T, "sparse_latent_attention: query_start_loc ends at ", qs[n_req], ", not ", T);
+  std::vector<int64_t> req(T);
+  for (int64_t r = 0; r < n_req; ++r)
+    for (int64_t t = qs[r]; t < qs[r + 1]; ++t) req[t] = r;
+
+  // Enough tasks for every thread: split heads only when there are fewer queries than threads.
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = T >= threads ? 1 : std::min<int64_t>(H, (threads + T - 1) / T);
+  const int64_t per_task = (H + split - 1) / split, n_groups = (H + per_task - 1) / per_task;
+
+  GLM53_DISPATCH_FLOAT_TYPES(rows.scalar_type(), "sparse_latent_attention", [&] {
+    const scalar_t* base = rows.data_ptr<scalar_t>();
+    const int64_t* ip = idx.data_ptr<int64_t>();
+    const int64_t* btp = bt.data_ptr<int64_t>();
+    at::parallel_for(0, T * n_groups, 1, [&](int64_t begin, int64_t end) {
+      std::vector<const scalar_t*> sel(N);
+      std::vector<float> row_buf(kBlock * L), acc(per_task * L), run(2 * per_task);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t = task / n_groups, h0 = (task % n_groups) * per_task, nh = std::min(per_task, H - h0);
+        const int64_t r = req[t];
+        int64_t n_sel = 0;
+        for (int64_t i = 0; i < N; ++i) {
+          const int64_t pos = ip[t * N + i];
+          if (pos < 0) continue;
+          TORCH_CHECK(pos / block_size < max_blocks, "sparse_latent_attention: position ", pos,
+                      " beyond the block table");
+          const int64_t blk = btp[r * max_blocks + pos / block_size];
+          TORCH_CHECK(blk >= 0 && blk < n_blocks, "sparse_latent_attention: block id ", blk, " outside the cache");
+          sel[n_sel++] = base + blk * rows.stride(0) + (pos % block_size) * rows.stride(1);
+        }
+        attend(q.data_ptr<float>() + (t * H + h0) * L, nh, L, sel.data(), n_sel, scale,
+               out.data_ptr<float>() + (t * H + h0) * L, row_buf.data(), acc.data(), run.data(),
+               run.data() + per_task);
+      }
+    });
+  });
+  return out.to(q_lat.scalar_type());
+}
+
+}  // namespace glm53

@@ -1,0 +1,299 @@
+"""Compiled CPU kernels (csrc/, torch.ops.vllm_glm53) against the plain-torch backends they replace.
+
+Random inputs with odd sizes (head dims that are not multiples of the 16-float vector, column groups with a
+tail, pools and blocks that do not line up), strided views like the ones vLLM binds (state pools inside padded
+pages, latent columns of cache rows), bfloat16 caches, padded slots and mixed prefill/decode batches. Selection
+must be identical, including exact ties; floating-point outputs agree within float32 rounding.
+
+``make test`` builds the kernels first (scripts/setup-cpu.sh); without them this module is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_glm53.backends.cpu import indexer as ix
+from vllm_glm53.backends.cpu import kda, kernels
+from vllm_glm53.backends.cpu import sparse_mla as mla
+
+ops = kernels.ops()
+pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels not loaded: {kernels.description()}")
+
+torch.set_num_threads(2)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _close(got, want, rtol=2e-5, atol=2e-6):
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KDA
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _kda_inputs(T, H, dk, dv, seed, lower_bound=-5.0, a_scale=1.0):
+    """q, k normalised and scaled as the layer makes them; v a strided view like the layer's split of the conv
+    output; the bounded gate, or the unbounded one when ``lower_bound`` is None."""
+    gen = _gen(seed)
+    q, k = kda.l2norm_qk(torch.randn(T, H, dk, generator=gen), torch.randn(T, H, dk, generator=gen), dk)
+    v = torch.randn(T, 2, H, dv, generator=gen)[:, 1]
+    g = kda.kda_gate(a_scale * torch.randn(T, H, dk, generator=gen), torch.randn(H, generator=gen), lower_bound)
+    beta = torch.rand(T, H, generator=gen)
+    return q, k, v, g, beta
+
+
+SHAPES = [(1, 16, 16), (2, 24, 40), (3, 7, 70), (4, 128, 128)]  # (H, dk, dv): lane tails, >64-column groups
+
+
+@pytest.mark.parametrize("H,dk,dv", SHAPES)
+def test_decode_step_matches_torch(H, dk, dv):
+    B = 5
+    q, k, v, g, beta = _kda_inputs(B, H, dk, dv, seed=dk + dv)
+    s0 = torch.randn(B, H, dk, dv, generator=_gen(1))
+    want_state = s0.clone()
+    want = kda.kda_decode_step_torch(q, k, v, g, beta, want_state)
+    state = s0.clone()
+    got = ops.kda_decode_step(q, k, v, g, beta, state, None)
+    _close(got, want)
+    _close(state, want_state)
+
+
+@pytest.mark.parametrize("H,dk,dv", SHAPES[1:3])
+def test_decode_step_on_pool_slots(H, dk, dv):
+    """States addressed by slot inside a pool of padded pages (vLLM binds state views with a page stride);
+    slot -1 is padding: no state touched, zeros out. Unaddressed slots stay as they were."""
+    B, N, pad = 4, 7, 33
+    q, k, v, g, beta = _kda_inputs(B, H, dk, dv, seed=3)
+    pages = torch.randn(N, H * dk * dv + pad, generator=_gen(4))
+    pool = pages[:, pad:].view(N, H, dk, dv)
+    slots = torch.tensor([5, -1, 0, 3])
+    before = pages.clone()
+    got = kda.kda_decode_step_slots(q, k, v, g, beta, pool, slots)
+
+    ref_pool = before[:, pad:].view(N, H, dk, dv).clone()
+    want = kda.kda_decode_step_slots_torch(q, k, v, g, beta, ref_pool, slots)
+    _close(got, want)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    _close(pool, ref_pool)
+    assert torch.equal(pages[:, :pad], before[:, :pad])
+    untouched = [s for s in range(N) if s not in slots.tolist()]
+    assert torch.equal(pool[untouched], before[:, pad:].view(N, H, dk, dv)[untouched])
+
+
+@pytest.mark.parametrize("T", [1, 5, 64, 131])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_prefill_matches_chunked_torch(T, with_state):
+    H, dk, dv = 3, 24, 70
+    q, k, v, g, beta = _kda_inputs(T, H, dk, dv, seed=T)
+    s0 = torch.randn(H, dk, dv, generator=_gen(5)) if with_state else None
+    s0_copy = None if s0 is None else s0.clone()
+    o, state = ops.kda_prefill(q, k, v, g, beta, s0)
+    want_o, want_state = kda.kda_chunked_torch(q, k, v, g, beta, s0)
+    _close(o, want_o, rtol=1e-4, atol=1e-5)
+    _close(state, want_state, rtol=1e-4, atol=1e-5)
+    if s0 is not None:
+        assert torch.equal(s0, s0_copy)  # the initial state is an input only
+
+
+def test_prefill_long_strong_decay_matches_recurrence():
+    """Unbounded gate with large rates: decays underflow to 0 without NaN, like the token-by-token oracle."""
+    H, dk, dv, T = 2, 16, 16, 300
+    q, k, v, g, beta = _kda_inputs(T, H, dk, dv, seed=9, lower_bound=None, a_scale=8.0)
+    g = g * 20.0  # per-step log decays down to -hundreds
+    o, state = ops.kda_prefill(q, k, v, g, beta, None)
+    want_o, want_state = kda.kda_recurrent(q, k, v, g, beta)
+    assert torch.isfinite(o).all()
+    _close(o, want_o, rtol=1e-4, atol=1e-5)
+    _close(state, want_state, rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_then_decode_continues_the_sequence():
+    H, dk, dv, T = 2, 32, 48, 20
+    q, k, v, g, beta = _kda_inputs(T, H, dk, dv, seed=11)
+    want_o, _ = kda.kda_recurrent(q, k, v, g, beta)
+    o, state = ops.kda_prefill(q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1], None)
+    state = state.unsqueeze(0)
+    last = ops.kda_decode_step(q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:], state, None)
+    _close(torch.cat([o, last]), want_o, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_update_matches_torch(dtype):
+    B, C, K = 3, 37, 4
+    gen = _gen(12)
+    x = torch.randn(B, C, generator=gen).to(dtype)
+    w = torch.randn(C, K, generator=gen)
+    s0 = torch.randn(B, C, K - 1, generator=gen).to(dtype)
+    want_state = s0.clone()
+    want = kda.causal_conv1d_update_torch(x, w, want_state)
+    state = s0.clone()
+    got = ops.causal_conv1d_update(x, w, state, None)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(state, want_state)  # a shift: exact
+
+
+def test_conv_update_on_pool_slots():
+    B, C, K, N = 3, 20, 4, 6
+    gen = _gen(13)
+    x, w = torch.randn(B, C, generator=gen), torch.randn(C, K, generator=gen)
+    pages = torch.randn(N, C * (K - 1) + 5, generator=gen)
+    pool = pages[:, 5:].view(N, C, K - 1)
+    ref_pool = pool.clone()
+    slots = torch.tensor([4, -1, 1])
+    got = kda.causal_conv1d_update_slots(x, w, pool, slots)
+    want = kda.causal_conv1d_update_slots_torch(x, w, ref_pool, slots)
+    _close(got, want)
+    assert torch.equal(pool, ref_pool)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# indexer
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kpool_compress_and_scores_match_torch(dtype):
+    gen = _gen(20)
+    kp, dI, T, nI, Tq = 4, 21, 36, 3, 5
+    rows = torch.randn(T, 3 * dI, generator=gen).to(dtype)  # key and gate as column slices of cache rows
+    k, gate = rows[:, dI : 2 * dI], rows[:, 2 * dI :]
+    ape = torch.randn(kp, dI, generator=gen)
+    pooled = ops.kpool_compress(k, gate, ape)
+    _close(pooled, ix.kpool_compress_torch(k, gate, ape))
+    q, w = torch.randn(Tq, nI, dI, generator=gen).to(dtype), torch.randn(Tq, nI, generator=gen)
+    _close(ops.index_scores(q, w, pooled), ix.index_scores_torch(q, w, pooled), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("topk,kp,tail", [(8, 4, True), (8, 4, False), (6, 2, True), (3, 1, True), (64, 4, True)])
+def test_select_tokens_identical_with_ties(topk, kp, tail):
+    gen = _gen(21)
+    T = 150
+    P = -(-T // kp)
+    scores = torch.randint(-1, 3, (T, P), generator=gen).float()  # many exact ties
+    positions = torch.arange(T)
+    want = ix.select_tokens_torch(scores, positions, topk, kp, tail)
+    assert torch.equal(ops.select_tokens(scores, positions, topk, kp, tail), want)
+    # decode-style queries and the dense short-context case
+    late = positions[-3:]
+    assert torch.equal(ops.select_tokens(scores[-3:], late, topk, kp, tail),
+                       ix.select_tokens_torch(scores[-3:], late, topk, kp, tail))
+    early = torch.arange(min(T, topk // kp * kp + kp - 1))
+    assert torch.equal(ops.select_tokens(None, early, topk, kp, tail), ix.select_tokens_torch(None, early, topk, kp, tail))
+
+
+def _paged(seq_lens, row, block_size, dtype, seed, fill):
+    """A paged cache holding each request's rows ``fill(r, S)`` [S, row] in shuffled blocks, plus its block table."""
+    gen = _gen(seed)
+    n_blocks = [-(-S // block_size) for S in seq_lens]
+    total = sum(n_blocks) + 3  # spare blocks that no request owns
+    order = torch.randperm(total, generator=gen)
+    pages = torch.randn(total, block_size, row, generator=gen).to(dtype)
+    table = torch.full((len(seq_lens), max(n_blocks) + 1), -1, dtype=torch.int32)
+    used = 0
+    for r, (S, nb) in enumerate(zip(seq_lens, n_blocks)):
+        ids = order[used : used + nb]
+        used += nb
+        table[r, :nb] = ids.to(torch.int32)
+        data = torch.zeros(nb * block_size, row, dtype=dtype)
+        data[:S] = fill(r, S).to(dtype)
+        pages[ids] = data.view(nb, block_size, row)
+    return pages, table
+
+
+# A mixed batch: decodes below, at and above the dense limit (topk 16, kp 4: 16 + 3 tokens), odd lengths,
+# a whole prefill, a prefill chunk continuing a sequence, and a request without queries this step.
+SEQ_LENS = [3, 19, 20, 23, 61, 130, 45, 77, 9]
+Q_LENS = [1, 1, 1, 1, 1, 1, 45, 30, 0]
+
+
+def _batch_meta(q_lens):
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    return starts
+
+
+@pytest.mark.parametrize("integer_valued", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_select_batch_identical_to_torch(integer_valued, dtype):
+    """Integer-valued keys, queries and weights with uniform gates make every score exact in both paths, so
+    ties are everywhere and must break identically; random values check the general case."""
+    topk, kp, dI, nI, lead = 16, 4, 16, 3, 10
+    row = lead + 2 * dI + 2
+    gen = _gen(22)
+
+    def fill(r, S):
+        if integer_valued:
+            key = torch.randint(-2, 3, (S, dI), generator=gen).float()
+            gate = torch.zeros(S, dI)  # uniform pooling: means of small integers, exact
+        else:
+            key, gate = torch.randn(S, dI, generator=gen), torch.randn(S, dI, generator=gen)
+        return torch.cat([torch.randn(S, lead, generator=gen), key, gate, torch.randn(S, 2, generator=gen)], 1)
+
+    pages, table = _paged(SEQ_LENS, row, 8, dtype, 23, fill)
+    T = sum(Q_LENS)
+    if integer_valued:
+        q = torch.randint(-2, 3, (T, nI, dI), generator=gen).float()
+        w = torch.randint(-2, 3, (T, nI), generator=gen).float()
+        ape = torch.zeros(kp, dI)
+    else:
+        q, w, ape = torch.randn(T, nI, dI, generator=gen), torch.randn(T, nI, generator=gen), torch.randn(kp, dI)
+    q = q.to(dtype)
+    starts = _batch_meta(Q_LENS)
+    args = (q, w, pages, table, starts, SEQ_LENS, ape, lead, topk, kp)
+    want = ix.select_batch_torch(*args)
+    got = ix.select_batch(*args)
+    assert torch.equal(got, want)
+    # and sparse selection really happened on the long requests
+    assert (got[starts[5]] >= 0).sum() < SEQ_LENS[5]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sparse latent attention
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,L", [(3, 40), (4, 512)])
+def test_sparse_attention_paged_matches_torch(dtype, H, L):
+    gen = _gen(30)
+    N, row = 19, L + 9
+    pages, table = _paged(SEQ_LENS, row, 16, dtype, 31, lambda r, S: torch.randn(S, row, generator=gen))
+    T = sum(Q_LENS)
+    starts = _batch_meta(Q_LENS)
+    q = torch.randn(T, H, L, generator=gen).to(dtype)
+    idx = torch.full((T, N), -1, dtype=torch.int64)
+    for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+        S = SEQ_LENS[r]
+        for t in range(lo, hi):
+            pos = S - (hi - lo) + (t - lo)
+            picks = torch.randperm(pos + 1, generator=gen)[:N]  # distinct, any order, some rows short
+            idx[t, : len(picks)] = picks
+    idx[starts[6] + 3] = -1  # a query with nothing selected gets zeros
+    scale = 0.0625
+    args = (q, pages, table, starts, SEQ_LENS, idx, scale, L)
+    got = mla.sparse_latent_attention_paged(*args)
+    want = mla.sparse_latent_attention_paged_torch(*args)
+    assert got.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[starts[6] + 3], torch.zeros_like(got[0]))
+
+
+def test_sparse_attention_one_sequence_matches_torch():
+    """The per-sequence entry point (a column slice of cache rows as the latent), dense and gathered."""
+    gen = _gen(32)
+    S, L, H, Tq = 50, 64, 2, 6
+    rows = torch.randn(S, L + 8, generator=gen)
+    latent = rows[:, :L]
+    q = torch.randn(Tq, H, L, generator=gen)
+    for N in (S, 11):
+        idx = torch.stack([torch.randperm(S, generator=gen)[:N] for _ in range(Tq)])
+        idx[0, N // 2 :] = -1
+        _close(mla.sparse_latent_attention(q, latent, idx, 0.1), mla.sparse_latent_attention_torch(q, latent, idx, 0.1))
