@@ -91,9 +91,9 @@ class Server:
 
     def stop(self) -> int:
         if self.proc.poll() is None:
-            # Signal the API server alone: it shuts its engine processes down in order. Signalling the whole
+            # SIGTERM to the API server alone: it shuts its engine processes down in order. Signalling the whole
             # process group would kill the engine core under it first.
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -114,6 +114,18 @@ WEATHER_TOOL = {
         },
     },
 }
+
+
+def show_reply(title: str, reply) -> None:
+    msg = reply.choices[0].message
+    reasoning = getattr(msg, "reasoning", None) or getattr(msg, "reasoning_content", None)
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in (msg.tool_calls or [])]
+    print(f"== {title}")
+    print(f"  reasoning : {reasoning!r}")
+    print(f"  content   : {msg.content!r}")
+    print(f"  tool calls: {json.dumps(calls)}")
+    print(f"  finish    : {reply.choices[0].finish_reason}, usage: {reply.usage.prompt_tokens} prompt + "
+          f"{reply.usage.completion_tokens} completion tokens")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,15 +162,19 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=48,
             temperature=0,
         )
-        msg = reply.choices[0].message
-        reasoning = getattr(msg, "reasoning", None) or getattr(msg, "reasoning_content", None)
-        print("== reply")
-        print(f"  reasoning : {reasoning!r}")
-        print(f"  content   : {msg.content!r}")
-        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in (msg.tool_calls or [])]
-        print(f"  tool calls: {json.dumps(calls)}")
-        print(f"  finish    : {reply.choices[0].finish_reason}, usage: {reply.usage.prompt_tokens} prompt + "
-              f"{reply.usage.completion_tokens} completion tokens")
+        show_reply("reply (reasoning_effort=high, tool_choice=auto)", reply)
+        # A random model never closes its reasoning on its own; end it at once and require a call, so that the
+        # tool-call grammar and the glm47 parser show a parsed call.
+        from transformers import AutoTokenizer
+
+        end_think = AutoTokenizer.from_pretrained(str(args.checkpoint)).convert_tokens_to_ids("</think>")
+        forced = client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=[{"role": "user", "content": "What is the weather like in Paris?"}],
+            tools=[WEATHER_TOOL], tool_choice="required", logit_bias={str(end_think): 100},
+            max_tokens=64, temperature=0,
+        )
+        show_reply("reply (tool_choice=required)", forced)
         line = server.wait_for_line(r"Avg prompt throughput", timeout=20)
         print("== server throughput: " + (line.split("] ", 1)[-1] if line else "(no stats line logged yet)"))
     finally:
