@@ -4,9 +4,10 @@
 
 Geometry: the real per-head sizes (KDA heads of 128, latent 512, indexer 4 heads of 128, index_topk 64,
 pools of 4), float32 as in the parity tests, 4 KDA / MLA heads as in the kernel-friendly tiny checkpoint
-(``--heads`` to change). Every op is timed as the median of ``--repeat`` calls after one warm-up, each call on
-a different region of a working set several times the last-level cache, so state and cache rows come from
-memory as they do in a model step (other layers run in between).
+(``--heads`` to change). Every op is timed as the best of ``--repeat`` calls after one warm-up (see
+:func:`best_time`; run the script a few times and take the median of the runs), each call on a different
+region of a working set several times the last-level cache, so state and cache rows come from memory as they
+do in a model step (other layers run in between).
 
 Columns:
 * ``torch``: the plain-torch backend the way model/ calls it today (KDA: gather the states by slot, step,
@@ -17,16 +18,17 @@ Columns:
 * ``floor``: the bytes the op must move at this machine's measured bandwidth for that kind of traffic: the KDA
   states are read and written back in place (bandwidth of an in-place ``mul_`` over a large buffer, read +
   written bytes per second); selected latent rows and indexer keys + gates are only read (bandwidth of a
-  large ``sum``). ``x floor`` = batched time / floor.
+  large ``sum``). ``x floor`` = batched time / floor. Selected latent rows are scattered over the cache, one
+  2 KiB row per page at random: for them a second floor, ``scattered floor``, uses the rate at which torch's
+  own ``index_select`` fetches random 2 KiB rows from a working set of the same size.
 
-The machine may be shared: rerun and compare medians.
+The machine may be shared: rerun and compare.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -39,21 +41,31 @@ from vllm_glm53.backends.cpu.paged import sequence_rows
 WORKING_SET = 512 << 20  # bytes per benchmark working set: many times a 32 MiB L3
 
 
-def median_time(fn, repeat: int) -> float:
+def best_time(fn, repeat: int) -> float:
+    """Fastest of ``repeat`` calls after a warm-up: on a shared machine a slower call measures the neighbours
+    (a descheduled OpenMP thread stalls a whole parallel region for a scheduler tick), not the op."""
     fn(-1)  # warm-up (first-touch, lazy init)
     times = []
     for i in range(repeat):
         t0 = time.perf_counter()
         fn(i)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
+
+
+def scattered_row_rate(row_floats: int, repeat: int) -> float:
+    """Rows per second that ``index_select`` gathers from random places of a large float32 table."""
+    table = torch.ones(WORKING_SET // (4 * row_floats), row_floats)
+    n = 4096
+    idx = [torch.randint(0, table.shape[0], (n,)) for _ in range(repeat + 1)]
+    return n / best_time(lambda i: table.index_select(0, idx[i]), repeat)
 
 
 def bandwidths(repeat: int) -> tuple[float, float]:
     """(read, in-place read + write) bytes per second over a buffer far larger than the caches."""
     x = torch.ones(WORKING_SET // 4, dtype=torch.float32)
-    read = WORKING_SET / median_time(lambda i: x.sum(), repeat)
-    update = 2 * WORKING_SET / median_time(lambda i: x.mul_(1.0), repeat)
+    read = WORKING_SET / best_time(lambda i: x.sum(), repeat)
+    update = 2 * WORKING_SET / best_time(lambda i: x.mul_(1.0), repeat)
     return read, update
 
 
@@ -97,11 +109,11 @@ def bench_kda_decode(H: int, d: int, batches: list[int], bw: float, repeat: int,
                 pool[s] = state
             return call
 
-        t_torch = median_time(gathered(kda.kda_decode_step_torch), repeat)
+        t_torch = best_time(gathered(kda.kda_decode_step_torch), repeat)
         t_today = t_batched = None
         if ops is not None:
-            t_today = median_time(gathered(lambda *a: ops.kda_decode_step(*a, None)), repeat)
-            t_batched = median_time(lambda i: ops.kda_decode_step(q, k, v, g, beta, pool, slots(i)), repeat)
+            t_today = best_time(gathered(lambda *a: ops.kda_decode_step(*a, None)), repeat)
+            t_batched = best_time(lambda i: ops.kda_decode_step(q, k, v, g, beta, pool, slots(i)), repeat)
         floor = (2 * B * slot_bytes + B * H * (3 * d + 2 * d + 1) * 4) / bw  # states in place; q k g v in, o out
         ratio = f"{t_batched / floor:.2f}" if t_batched else "—"
         speed = f"{t_torch / t_batched:.1f}x" if t_batched else "—"
@@ -120,8 +132,8 @@ def bench_kda_prefill(H: int, d: int, lengths: list[int], repeat: int, ops) -> l
         q, k = kda.l2norm_qk(torch.randn(T, H, d), torch.randn(T, H, d), d)
         v, beta = torch.randn(T, H, d), torch.rand(T, H)
         g = kda.kda_gate(torch.randn(T, H, d), torch.zeros(H), -5.0)
-        t_torch = median_time(lambda i: kda.kda_chunked_torch(q, k, v, g, beta), max(3, repeat // 2))
-        t_comp = median_time(lambda i: ops.kda_prefill(q, k, v, g, beta, None), repeat) if ops else None
+        t_torch = best_time(lambda i: kda.kda_chunked_torch(q, k, v, g, beta), max(3, repeat // 2))
+        t_comp = best_time(lambda i: ops.kda_prefill(q, k, v, g, beta, None), repeat) if ops else None
         out.append(row(T, fmt_us(t_torch), fmt_us(t_comp), f"{T / t_comp:,.0f}" if t_comp else "—",
                        f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
     return out
@@ -164,14 +176,16 @@ class PagedCache:
 
 def bench_sparse_mla(H: int, B: int, contexts: list[int], bw: float, repeat: int, ops) -> list[str]:
     L = PagedCache.L
+    row_rate = scattered_row_rate(L, repeat)
     scale = 256**-0.5
     out = [
         f"Sparse-MLA decode attention (batch {B}, H={H}, latent {L} float32, index width 67 = topk 64 + tail 3); "
         "times in µs",
+        f"(scattered 2 KiB rows: {row_rate / 1e6:.1f} M rows/s = {row_rate * L * 4 / 1e9:.1f} GB/s)",
         "",
-        row("context", "selected rows", "torch", "compiled, today's call", "compiled, batched", "floor", "x floor",
-            "speed-up vs torch"),
-        row(*["---"] * 8),
+        row("context", "selected rows", "torch", "compiled, today's call", "compiled, batched", "floor",
+            "scattered floor", "x floor / x scattered floor", "speed-up vs torch"),
+        row(*["---"] * 9),
     ]
     gen = torch.Generator().manual_seed(0)
     for S in contexts:
@@ -187,18 +201,19 @@ def bench_sparse_mla(H: int, B: int, contexts: list[int], bw: float, repeat: int
                     attend(q[r : r + 1], latent, idx[r : r + 1], scale)
             return call
 
-        t_torch = median_time(per_request(mla.sparse_latent_attention_torch), repeat)
+        t_torch = best_time(per_request(mla.sparse_latent_attention_torch), repeat)
         t_today = t_batched = None
         if ops is not None:
-            t_today = median_time(per_request(mla.sparse_latent_attention), repeat)
-            t_batched = median_time(
+            t_today = best_time(per_request(mla.sparse_latent_attention), repeat)
+            t_batched = best_time(
                 lambda i: mla.sparse_latent_attention_paged(q, cache.pages, cache.table(i), cache.starts,
                                                             cache.seq_lens, idx, scale, L), repeat)
         n_sel = int((idx[0] >= 0).sum())
         floor = (B * n_sel * L * 4 + 2 * B * H * L * 4) / bw  # rows read; queries in, outputs out
+        scattered = B * n_sel / row_rate
+        ratio = f"{t_batched / floor:.1f} / {t_batched / scattered:.1f}" if t_batched else "—"
         out.append(row(S, n_sel, fmt_us(t_torch), fmt_us(t_today), fmt_us(t_batched), fmt_us(floor),
-                       f"{t_batched / floor:.2f}" if t_batched else "—",
-                       f"{t_torch / t_batched:.1f}x" if t_batched else "—"))
+                       fmt_us(scattered), ratio, f"{t_torch / t_batched:.1f}x" if t_batched else "—"))
         del cache
     return out
 
@@ -233,9 +248,9 @@ def bench_indexer(B: int, contexts: list[int], bw: float, repeat: int, ops) -> l
             return lambda i: select(q, w, cache.pages, cache.table(i), cache.starts, cache.seq_lens, ape, c.L,
                                     c.topk, c.kp)
 
-        t_torch = median_time(batched(ix.select_batch_torch), repeat)
-        t_today = median_time(today, repeat) if ops is not None else None
-        t_batched = median_time(batched(ix.select_batch), repeat) if ops is not None else None
+        t_torch = best_time(batched(ix.select_batch_torch), repeat)
+        t_today = best_time(today, repeat) if ops is not None else None
+        t_batched = best_time(batched(ix.select_batch), repeat) if ops is not None else None
         floor = B * n_pooled * 2 * c.dI * 4 / bw
         out.append(row(S, fmt_us(t_torch), fmt_us(t_today), fmt_us(t_batched), fmt_us(floor),
                        f"{t_batched / floor:.2f}" if t_batched else "—",

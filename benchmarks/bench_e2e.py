@@ -132,7 +132,7 @@ def engine_child(args, tp: int, bind: str | None) -> dict:
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        sys.exit(f"vLLM run failed (TP={tp}, bind={bind}):\n{proc.stderr[-6000:]}")
+        raise RuntimeError(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -146,7 +146,12 @@ def bind_sweep(args) -> None:
     print("| TP | VLLM_CPU_OMP_THREADS_BIND | " + " | ".join(head) + " | prefill tok/s | TTFT ms |")
     print("| --- | --- | " + " | ".join("---" for _ in head) + " | --- | --- |")
     for tp, bind in settings:
-        r = engine_child(args, tp, bind)
+        try:
+            r = engine_child(args, tp, bind)
+        except RuntimeError as exc:  # e.g. `auto` with more ranks than NUMA nodes refuses to start
+            reason = next((line for line in str(exc).splitlines() if "Error:" in line), "see its log")
+            print(f"| {tp} | `{bind}` | does not start: {reason.strip()[-160:]} |", flush=True)
+            continue
         cells = [f"{r['decode'][str(B)]:,.0f}" for B in args.batches]
         print(f"| {tp} | `{bind}` | " + " | ".join(cells) + f" | {r['prefill']:,.0f} | {r['ttft'] * 1e3:,.0f} |",
               flush=True)
@@ -193,7 +198,10 @@ def main() -> None:
             return
         if args.bind_sweep:
             return bind_sweep(args)
-        ours = engine_child(args, args.tp, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+        try:
+            ours = engine_child(args, args.tp, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+        except RuntimeError as exc:
+            sys.exit(f"vLLM run failed:\n{str(exc)[-6000:]}")
         ref = run_transformers(args, plist)
 
     from vllm_glm53.backends.cpu import kernels
