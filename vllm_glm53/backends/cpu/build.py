@@ -75,8 +75,11 @@ def _compile_commands(isa: str, src: Path, out_dir: Path, out: Path) -> tuple[li
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise FileNotFoundError(f"no C++ compiler ({cxx!r}) on PATH")
+    # -fopenmp: at::parallel_for is an inline OpenMP region in torch's headers (AT_PARALLEL_OPENMP); without
+    # the flag it silently runs on one thread. The library then needs libgomp.so.1, which importing torch has
+    # already loaded (torch ships its own), so both share one OpenMP runtime and its thread settings.
     cflags = [
-        "-O3", "-DNDEBUG", "-std=c++20", "-fPIC", "-fvisibility=hidden",
+        "-O3", "-DNDEBUG", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-fopenmp",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
         *ISA_CFLAGS[isa],
     ]
@@ -87,7 +90,7 @@ def _compile_commands(isa: str, src: Path, out_dir: Path, out: Path) -> tuple[li
         compiles.append([cxx, *cflags, "-c", str(src / name), "-o", str(obj)])
         objects.append(str(obj))
     lib_dirs = cpp_extension.library_paths()
-    link = [cxx, "-shared", "-o", str(out), *objects, *[f"-L{d}" for d in lib_dirs],
+    link = [cxx, "-shared", "-fopenmp", "-o", str(out), *objects, *[f"-L{d}" for d in lib_dirs],
             *[f"-Wl,-rpath,{d}" for d in lib_dirs], "-lc10", "-ltorch_cpu", "-ltorch"]
     return compiles, link
 
