@@ -10,17 +10,25 @@ region of a working set several times the last-level cache, so state and cache r
 do in a model step (other layers run in between).
 
 Columns:
-* ``torch``: the plain-torch backend the way model/ calls it today (KDA: gather the states by slot, step,
-  scatter back; MLA: gather the whole sequence from the paged cache, then attend / compress + score + select);
-* ``compiled, today's call``: the same call sequence with the compiled ops (what the engine runs now);
-* ``compiled, batched``: the slot- and page-addressed batch forms (``kda_decode_step_slots``,
-  ``sparse_latent_attention_paged``, ``select_batch``), which touch only the bytes the op needs;
+* ``torch``: the plain-torch backend, called as model/ calls the ops (``VLLM_GLM53_CPU_KERNELS=0``): the batch
+  forms ``kda_decode_step_slots``, ``sparse_latent_attention_paged`` and ``select_batch`` on their torch path,
+  which gathers what it needs by slot / block table, computes per sequence and scatters back;
+* ``compiled``: the same calls on the kernels of csrc/, which read and write the state pool and the paged
+  cache in place and touch only the bytes the op needs;
 * ``floor``: the bytes the op must move at this machine's measured bandwidth for that kind of traffic: the KDA
   states are read and written back in place (bandwidth of an in-place ``mul_`` over a large buffer, read +
   written bytes per second); selected latent rows and indexer keys + gates are only read (bandwidth of a
-  large ``sum``). ``x floor`` = batched time / floor. Selected latent rows are scattered over the cache, one
+  large ``sum``). ``x floor`` = compiled time / floor. Selected latent rows are scattered over the cache, one
   2 KiB row per page at random: for them a second floor, ``scattered floor``, uses the rate at which torch's
   own ``index_select`` fetches random 2 KiB rows from a working set of the same size.
+
+mHC rows time one block's three steps (coefficients incl. the torch GEMM, collapse, expand) at the real
+geometry (n = 4 streams of 4096, bfloat16 streams, 20 Sinkhorn iterations); the streams were just written by the
+previous block, so they are not made cold.
+
+Routed-expert rows time one MoE block's experts (the kernel-friendly tiny's 8 experts of 512 x 256, top-2) as
+the torch loop and as the compiled kernel called directly (the backend picks the loop above a batch threshold),
+each call on another set of weights so they come from memory.
 
 The machine may be shared: rerun and compare.
 """
@@ -34,9 +42,8 @@ import time
 import torch
 
 from vllm_glm53.backends.cpu import indexer as ix
-from vllm_glm53.backends.cpu import kda, kernels
+from vllm_glm53.backends.cpu import kda, kernels, mhc, moe
 from vllm_glm53.backends.cpu import sparse_mla as mla
-from vllm_glm53.backends.cpu.paged import sequence_rows
 
 WORKING_SET = 512 << 20  # bytes per benchmark working set: many times a 32 MiB L3
 
@@ -89,8 +96,8 @@ def bench_kda_decode(H: int, d: int, batches: list[int], bw: float, repeat: int,
     out = [
         f"KDA decode step (H={H}, dk=dv={d}, state float32 {slot_bytes >> 10} KiB/sequence/layer); times in µs",
         "",
-        row("batch", "torch", "compiled, today's call", "compiled, batched", "floor", "x floor", "speed-up vs torch"),
-        row(*["---"] * 7),
+        row("batch", "torch", "compiled", "floor", "x floor", "speed-up vs torch"),
+        row(*["---"] * 6),
     ]
     for B in batches:
         q, k = kda.l2norm_qk(torch.randn(B, H, d), torch.randn(B, H, d), d)
@@ -101,23 +108,13 @@ def bench_kda_decode(H: int, d: int, batches: list[int], bw: float, repeat: int,
         def slots(i):
             return torch.arange(B) + (i % n_groups) * B
 
-        def gathered(step):
-            def call(i):
-                s = slots(i)
-                state = pool[s]
-                step(q, k, v, g, beta, state)
-                pool[s] = state
-            return call
-
-        t_torch = best_time(gathered(kda.kda_decode_step_torch), repeat)
-        t_today = t_batched = None
+        t_torch = best_time(lambda i: kda.kda_decode_step_slots_torch(q, k, v, g, beta, pool, slots(i)), repeat)
+        t_comp = None
         if ops is not None:
-            t_today = best_time(gathered(lambda *a: ops.kda_decode_step(*a, None)), repeat)
-            t_batched = best_time(lambda i: ops.kda_decode_step(q, k, v, g, beta, pool, slots(i)), repeat)
+            t_comp = best_time(lambda i: kda.kda_decode_step_slots(q, k, v, g, beta, pool, slots(i)), repeat)
         floor = (2 * B * slot_bytes + B * H * (3 * d + 2 * d + 1) * 4) / bw  # states in place; q k g v in, o out
-        ratio = f"{t_batched / floor:.2f}" if t_batched else "—"
-        speed = f"{t_torch / t_batched:.1f}x" if t_batched else "—"
-        out.append(row(B, fmt_us(t_torch), fmt_us(t_today), fmt_us(t_batched), fmt_us(floor), ratio, speed))
+        out.append(row(B, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor),
+                       f"{t_comp / floor:.2f}" if t_comp else "—", f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
     return out
 
 
@@ -183,9 +180,9 @@ def bench_sparse_mla(H: int, B: int, contexts: list[int], bw: float, repeat: int
         "times in µs",
         f"(scattered 2 KiB rows: {row_rate / 1e6:.1f} M rows/s = {row_rate * L * 4 / 1e9:.1f} GB/s)",
         "",
-        row("context", "selected rows", "torch", "compiled, today's call", "compiled, batched", "floor",
-            "scattered floor", "x floor / x scattered floor", "speed-up vs torch"),
-        row(*["---"] * 9),
+        row("context", "selected rows", "torch", "compiled", "floor", "scattered floor",
+            "x floor / x scattered floor", "speed-up vs torch"),
+        row(*["---"] * 8),
     ]
     gen = torch.Generator().manual_seed(0)
     for S in contexts:
@@ -193,27 +190,17 @@ def bench_sparse_mla(H: int, B: int, contexts: list[int], bw: float, repeat: int
         q = torch.randn(B, H, L)
         idx = cache.indices(gen)
 
-        def per_request(attend):
-            def call(i):
-                table = cache.table(i)
-                for r in range(B):
-                    latent = sequence_rows(cache.pages, table[r], S)[:, :L]
-                    attend(q[r : r + 1], latent, idx[r : r + 1], scale)
-            return call
+        def attend(fn):
+            return lambda i: fn(q, cache.pages, cache.table(i), cache.starts, cache.seq_lens, idx, scale, L)
 
-        t_torch = best_time(per_request(mla.sparse_latent_attention_torch), repeat)
-        t_today = t_batched = None
-        if ops is not None:
-            t_today = best_time(per_request(mla.sparse_latent_attention), repeat)
-            t_batched = best_time(
-                lambda i: mla.sparse_latent_attention_paged(q, cache.pages, cache.table(i), cache.starts,
-                                                            cache.seq_lens, idx, scale, L), repeat)
+        t_torch = best_time(attend(mla.sparse_latent_attention_paged_torch), repeat)
+        t_comp = best_time(attend(mla.sparse_latent_attention_paged), repeat) if ops is not None else None
         n_sel = int((idx[0] >= 0).sum())
         floor = (B * n_sel * L * 4 + 2 * B * H * L * 4) / bw  # rows read; queries in, outputs out
         scattered = B * n_sel / row_rate
-        ratio = f"{t_batched / floor:.1f} / {t_batched / scattered:.1f}" if t_batched else "—"
-        out.append(row(S, n_sel, fmt_us(t_torch), fmt_us(t_today), fmt_us(t_batched), fmt_us(floor),
-                       fmt_us(scattered), ratio, f"{t_torch / t_batched:.1f}x" if t_batched else "—"))
+        ratio = f"{t_comp / floor:.1f} / {t_comp / scattered:.1f}" if t_comp else "—"
+        out.append(row(S, n_sel, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor), fmt_us(scattered), ratio,
+                       f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
         del cache
     return out
 
@@ -224,38 +211,92 @@ def bench_indexer(B: int, contexts: list[int], bw: float, repeat: int, ops) -> l
         f"Indexer decode: pool compression + scores + top-k (batch {B}, {c.nI} heads of {c.dI}, pools of {c.kp}, "
         f"top {c.topk // c.kp} pools); times in µs",
         "",
-        row("context", "torch", "compiled, today's call", "compiled, batched", "floor", "x floor", "speed-up vs torch"),
-        row(*["---"] * 7),
+        row("context", "torch", "compiled", "floor", "x floor", "speed-up vs torch"),
+        row(*["---"] * 6),
     ]
     for S in contexts:
         cache = PagedCache(B, S)
         q, w = torch.randn(B, c.nI, c.dI), torch.randn(B, c.nI)
         ape = torch.randn(c.kp, c.dI)
-        positions = torch.tensor([S - 1])
         n_pooled = S // c.kp * c.kp
 
-        def today(i):  # model/mla.py's _select with the per-sequence ops
-            table = cache.table(i)
-            for r in range(B):
-                rows = sequence_rows(cache.pages, table[r], S)[:n_pooled]
-                pooled = ix.kpool_compress(rows[:, c.L : c.L + c.dI], rows[:, c.L + c.dI :], ape)
-                scores = ix.index_scores(q[r : r + 1], w[r : r + 1], pooled)
-                if S % c.kp:
-                    scores = torch.nn.functional.pad(scores, (0, 1))
-                ix.select_tokens(scores, positions, c.topk, c.kp)
+        def select(fn):
+            return lambda i: fn(q, w, cache.pages, cache.table(i), cache.starts, cache.seq_lens, ape, c.L, c.topk,
+                                c.kp)
 
-        def batched(select):
-            return lambda i: select(q, w, cache.pages, cache.table(i), cache.starts, cache.seq_lens, ape, c.L,
-                                    c.topk, c.kp)
-
-        t_torch = best_time(batched(ix.select_batch_torch), repeat)
-        t_today = best_time(today, repeat) if ops is not None else None
-        t_batched = best_time(batched(ix.select_batch), repeat) if ops is not None else None
+        t_torch = best_time(select(ix.select_batch_torch), repeat)
+        t_comp = best_time(select(ix.select_batch), repeat) if ops is not None else None
         floor = B * n_pooled * 2 * c.dI * 4 / bw
-        out.append(row(S, fmt_us(t_torch), fmt_us(t_today), fmt_us(t_batched), fmt_us(floor),
-                       f"{t_batched / floor:.2f}" if t_batched else "—",
-                       f"{t_torch / t_batched:.1f}x" if t_batched else "—"))
+        out.append(row(S, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor), f"{t_comp / floor:.2f}" if t_comp else "—",
+                       f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
         del cache
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# mHC
+# --------------------------------------------------------------------------------------------------------------
+
+
+def bench_mhc(D: int, batches: list[int], repeat: int, ops) -> list[str]:
+    n, iters, eps, norm_eps = 4, 20, 1e-6, 1e-5
+    out = [
+        f"mHC block (n={n} streams of {D}, bfloat16 streams, {iters} Sinkhorn iterations); times in µs",
+        "",
+        row("batch", "coefficients torch", "coefficients compiled", "collapse + expand torch",
+            "collapse + expand compiled", "block speed-up"),
+        row(*["---"] * 6),
+    ]
+    fn = torch.randn((2 + n) * n, n * D) / (n * D) ** 0.5
+    base, scale = torch.randn((2 + n) * n), torch.rand(3) + 0.5
+    for B in batches:
+        X, y = torch.randn(B, n, D).bfloat16(), torch.randn(B, D).bfloat16()
+        pre, post, comb = mhc.mhc_coefficients_torch(X, fn, base, scale, n, eps, iters, norm_eps)
+        t_coef = best_time(lambda i: mhc.mhc_coefficients_torch(X, fn, base, scale, n, eps, iters, norm_eps), repeat)
+        t_mix = best_time(lambda i: (mhc.mhc_collapse_torch(X, pre), mhc.mhc_expand_torch(X, y, post, comb)), repeat)
+        c_coef = c_mix = None
+        if ops is not None:
+            c_coef = best_time(lambda i: mhc.mhc_coefficients(X, fn, base, scale, n, eps, iters, norm_eps), repeat)
+            c_mix = best_time(lambda i: (mhc.mhc_collapse(X, pre), mhc.mhc_expand(X, y, post, comb)), repeat)
+        speed = f"{(t_coef + t_mix) / (c_coef + c_mix):.1f}x" if c_coef else "—"
+        out.append(row(B, fmt_us(t_coef), fmt_us(c_coef), fmt_us(t_mix), fmt_us(c_mix), speed))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Routed experts
+# --------------------------------------------------------------------------------------------------------------
+
+
+def bench_moe(E: int, D: int, inter: int, k: int, batches: list[int], bw: float, repeat: int, ops) -> list[str]:
+    limit = 10.0
+    out = [
+        f"Routed experts ({E} experts, hidden {D}, intermediate {inter}, top-{k}, float32, cold weights); "
+        "times in µs; floor = bytes of the experts used / read bandwidth",
+        "",
+        row("batch", "experts used", "torch loop", "compiled", "floor", "x floor", "speed-up"),
+        row(*["---"] * 7),
+    ]
+    # Weight sets cycled call by call, together far larger than the last-level cache (another layer's experts
+    # ran in between).
+    n_sets = max(2, WORKING_SET // (3 * E * inter * D * 4))
+    sets = [(torch.randn(E, 2 * inter, D) / D**0.5, torch.randn(E, D, inter) / inter**0.5) for _ in range(n_sets)]
+    for T in batches:
+        x = torch.randn(T, D)
+        ids = torch.randn(T, E).topk(k, dim=-1).indices
+        weights = torch.rand(T, k)
+        used = ids.unique().numel()
+
+        def call(fn):
+            return lambda i: fn(x, *sets[i % n_sets], ids, weights, limit)
+
+        t_torch = best_time(call(moe.routed_experts_torch), repeat)
+        t_comp = None
+        if ops is not None:
+            t_comp = best_time(call(ops.moe_experts), repeat)
+        floor = used * 3 * inter * D * 4 / bw
+        out.append(row(T, used, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor),
+                       f"{t_comp / floor:.1f}" if t_comp else "—", f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
     return out
 
 
@@ -266,14 +307,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4, help="KDA and MLA heads (4: the kernel-friendly tiny)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per MLA / indexer decode step")
     parser.add_argument("--max-context", type=int, default=8192)
-    parser.add_argument("--only", choices=["kda", "mla", "indexer"], action="append")
+    parser.add_argument("--only", choices=["kda", "mla", "indexer", "mhc", "moe"], action="append")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ops = kernels.ops()
     read_bw, update_bw = bandwidths(args.repeat)
     contexts = [c for c in (16, 64, 256, 1024, 4096, 16384, 65536) if c <= args.max_context]
-    only = set(args.only or ["kda", "mla", "indexer"])
+    only = set(args.only or ["kda", "mla", "indexer", "mhc", "moe"])
 
     print(f"# CPU ops: {kernels.description()}; torch {torch.__version__}, {args.threads} threads; "
           f"bandwidth: read {read_bw / 1e9:.1f} GB/s, in-place update {update_bw / 1e9:.1f} GB/s (read + write)\n")
@@ -287,6 +328,10 @@ def main() -> None:
         show(bench_sparse_mla(args.heads, args.batch, contexts, read_bw, args.repeat, ops))
     if "indexer" in only:
         show(bench_indexer(args.batch, [c for c in contexts if c >= 256], read_bw, args.repeat, ops))
+    if "mhc" in only:
+        show(bench_mhc(4096, [1, 16, 64], args.repeat, ops))
+    if "moe" in only:
+        show(bench_moe(8, 512, 256, 2, [1, 16, 64, 512], read_bw, args.repeat, ops))
 
 if __name__ == "__main__":
     main()

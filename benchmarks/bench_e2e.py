@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/bench_e2e.py --bind-sweep   # the plugin alone under each thread binding
 
 The checkpoint (built unless ``--model`` is given) is the tiny one with the real per-head geometry
-(``KERNEL_FRIENDLY`` below: KDA heads of 128, latent 512, q/k/v heads of 256, indexer heads of 128, index_topk
-64 in pools of 4), float32 on both sides, greedy. Measured, each the median of ``--repeat`` runs:
+(``vllm_glm53.tiny.kernel_friendly_overrides()``: KDA heads of 128, latent 512, q/k/v heads of 256, indexer
+heads of 128, index_topk 64 in pools of 4), float32 on both sides, greedy. Measured, each the median of ``--repeat`` runs:
 
 * decode tokens/s at each batch size: B equal-length prompts generate N1 and then N2 tokens (EOS ignored); the
   difference of the two wall times covers exactly B x (N2 - N1) decode tokens, without prefill or start-up;
@@ -37,16 +37,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: room for 64 sequences; also skips vLLM's 92% RAM claim
 
-# The kernel-friendly variant of the tiny config: real per-head geometry, small everything else.
-KERNEL_FRIENDLY = {
-    "vocab_size": 1024, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 256, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 256, "v_head_dim": 256, "index_n_heads": 4, "index_head_dim": 128,
-    "index_topk": 64, "index_kpool": 4,
-    "linear_attn_config": {"num_heads": 4, "head_dim": 128, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
-    "vision_config": {"hidden_size": 128, "num_heads": 2, "intermediate_size": 256, "out_hidden_size": 512,
-                      "projection_intermediate_size": 512},
-}
 
 
 def prompts(model: Path, n: int, length: int) -> list[list[int]]:
@@ -75,7 +65,8 @@ def measure(generate, batches: list[int], plist: list[list[int]], n1: int, n2: i
         batch = plist[:B]
         t1 = median_of(repeat, lambda: generate(batch, n1))
         t2 = median_of(repeat, lambda: generate(batch, n2))
-        out["decode"][str(B)] = B * (n2 - n1) / max(t2 - t1, 1e-9)
+        # Noise larger than the extra decode steps (an oversubscribed run) leaves no measurement: NaN.
+        out["decode"][str(B)] = B * (n2 - n1) / (t2 - t1) if t2 > t1 else float("nan")
         print(f"  batch {B}: {n1} tokens {t1:.2f} s, {n2} tokens {t2:.2f} s", file=sys.stderr, flush=True)
     pb = max(b for b in batches if b <= 16)
     out["prefill_batch"] = pb
@@ -149,8 +140,8 @@ def bind_sweep(args) -> None:
         try:
             r = engine_child(args, tp, bind)
         except RuntimeError as exc:  # e.g. `auto` with more ranks than NUMA nodes refuses to start
-            reason = next((line for line in str(exc).splitlines() if "Error:" in line), "see its log")
-            print(f"| {tp} | `{bind}` | does not start: {reason.strip()[-160:]} |", flush=True)
+            reason = next((line for line in str(exc).splitlines() if "Error: " in line), "Error: see its log")
+            print(f"| {tp} | `{bind}` | does not start: {reason.split('Error: ', 1)[1][:120]} |", flush=True)
             continue
         cells = [f"{r['decode'][str(B)]:,.0f}" for B in args.batches]
         print(f"| {tp} | `{bind}` | " + " | ".join(cells) + f" | {r['prefill']:,.0f} | {r['ttft'] * 1e3:,.0f} |",
@@ -189,9 +180,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
-            from vllm_glm53.tiny import build_checkpoint
+            from vllm_glm53.tiny import build_checkpoint, kernel_friendly_overrides
 
-            args.model = build_checkpoint(Path(tmp) / "kernel-friendly", overrides=KERNEL_FRIENDLY)
+            args.model = build_checkpoint(Path(tmp) / "kernel-friendly", overrides=kernel_friendly_overrides())
         plist = prompts(args.model, max(args.batches), args.prompt_len)
         if args.engine_only:
             print(json.dumps(run_vllm(args, plist)), flush=True)

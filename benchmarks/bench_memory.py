@@ -32,7 +32,6 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this pr
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import KERNEL_FRIENDLY  # noqa: E402
 
 RELEASED_RANK = {
     "vocab_size": 1024, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 64,
@@ -183,11 +182,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.probe:
         return probe(*args.probe)
-    from vllm_glm53.tiny import build_checkpoint
+    from vllm_glm53.tiny import build_checkpoint, kernel_friendly_overrides
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.workdir or tmp)
-        friendly = build_checkpoint(root / "kernel-friendly", overrides=KERNEL_FRIENDLY)
+        friendly = build_checkpoint(root / "kernel-friendly", overrides=kernel_friendly_overrides())
         released = build_checkpoint(root / "released-rank", overrides=RELEASED_RANK, dtype="bfloat16")
         print("# Cache memory per rank: engine allocation vs minimum\n")
         report("kernel-friendly tiny (float32, TP=1)", json.loads((friendly / "config.json").read_text()),

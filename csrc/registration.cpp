@@ -29,6 +29,14 @@ at::Tensor indexer_select(const at::Tensor& q, const at::Tensor& weights, const 
 at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& rows, const at::Tensor& block_table,
                                    const at::Tensor& query_start_loc, const at::Tensor& indices, double scale,
                                    int64_t latent_dim);
+at::Tensor mhc_rms_norm(const at::Tensor& X, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mhc_coefficients(const at::Tensor& m, const at::Tensor& base,
+                                                                const at::Tensor& scale, int64_t n, double eps,
+                                                                int64_t sinkhorn_iters);
+at::Tensor mhc_collapse(const at::Tensor& X, const at::Tensor& pre);
+at::Tensor mhc_expand(const at::Tensor& X, const at::Tensor& y, const at::Tensor& post, const at::Tensor& comb);
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& ids,
+                       const at::Tensor& weights, double swiglu_limit);
 
 // "<isa> torch <version>": what this library was built for, checked by the loader and shown in its log line.
 std::string build_info() { return std::string(isa_name()) + " torch " + TORCH_VERSION; }
@@ -49,6 +57,12 @@ TORCH_LIBRARY(vllm_glm53, m) {
         " Tensor seq_lens, Tensor ape, int key_offset, int topk, int kp, bool always_select_tail) -> Tensor");
   m.def("sparse_latent_attention(Tensor q_lat, Tensor rows, Tensor block_table, Tensor query_start_loc,"
         " Tensor indices, float scale, int latent_dim) -> Tensor");
+  m.def("mhc_rms_norm(Tensor X, float eps) -> Tensor");
+  m.def("mhc_coefficients(Tensor m, Tensor base, Tensor scale, int n, float eps, int sinkhorn_iters)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("mhc_collapse(Tensor X, Tensor pre) -> Tensor");
+  m.def("mhc_expand(Tensor X, Tensor y, Tensor post, Tensor comb) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor ids, Tensor weights, float swiglu_limit) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
@@ -60,4 +74,9 @@ TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
   m.impl("select_tokens", &glm53::select_tokens);
   m.impl("indexer_select", &glm53::indexer_select);
   m.impl("sparse_latent_attention", &glm53::sparse_latent_attention);
+  m.impl("mhc_rms_norm", &glm53::mhc_rms_norm);
+  m.impl("mhc_coefficients", &glm53::mhc_coefficients);
+  m.impl("mhc_collapse", &glm53::mhc_collapse);
+  m.impl("mhc_expand", &glm53::mhc_expand);
+  m.impl("moe_experts", &glm53::moe_experts);
 }

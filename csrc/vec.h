@@ -56,6 +56,17 @@ inline void store(float* p, F16 x, int n = kLanes) {
   if (n >= kLanes) _mm512_storeu_ps(p, x.v);
   else _mm512_mask_storeu_ps(p, lane_mask(n), x.v);
 }
+// Narrowing stores round to nearest even, as torch's .to(bfloat16 / float16) does; a NaN stays a (quiet) NaN.
+inline void store(c10::BFloat16* p, F16 x, int n = kLanes) {
+  __m512i b = _mm512_castps_si512(x.v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(p, lane_mask(n), _mm512_cvtepi32_epi16(r));
+}
+inline void store(c10::Half* p, F16 x, int n = kLanes) {
+  _mm256_mask_storeu_epi16(p, lane_mask(n), _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 inline F16 operator+(F16 a, F16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline F16 operator-(F16 a, F16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline F16 operator*(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -111,6 +122,11 @@ inline F16 load(const T* p, int n = kLanes) {
 }
 inline void store(float* p, F16 x, int n = kLanes) {
   for (int i = 0; i < std::min(n, kLanes); ++i) p[i] = x.v[i];
+}
+// bfloat16 / float16 destinations: c10's conversions round to nearest even, as torch's .to() does.
+template <typename T>
+inline void store(T* p, F16 x, int n = kLanes) {
+  for (int i = 0; i < std::min(n, kLanes); ++i) p[i] = static_cast<T>(x.v[i]);
 }
 #define GLM53_LANEWISE(expr) \
   F16 r;                     \

@@ -44,21 +44,6 @@ import torch  # noqa: E402
 
 RESULTS: list[dict] = []
 
-# The kernel-friendly tiny variant (shared/docs/tiny-config.json "kernel_friendly_overrides"): the real per-head
-# geometry (latent 512, qk/v head 256, indexer head 128, KDA head 128) on a small model, as overrides for
-# `python -m vllm_glm53.tiny --config`.
-KERNEL_FRIENDLY = {
-    "text_config": {
-        "vocab_size": 1024, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 256, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 256, "v_head_dim": 256, "index_n_heads": 4, "index_head_dim": 128,
-        "index_topk": 64, "index_kpool": 4,
-        "linear_attn_config": {"num_heads": 4, "head_dim": 128, "short_conv_kernel_size": 4,
-                               "gate_lower_bound": -5.0},
-    },
-    "vision_config": {"hidden_size": 128, "num_heads": 2, "intermediate_size": 256, "out_hidden_size": 512,
-                      "projection_intermediate_size": 512},
-}
 # Prompt lengths: below index_topk (dense selection), and well above it (sparse), decoded past a pool boundary.
 E2E_PROMPT_LENGTHS = (23, 150, 400)
 E2E_MAX_TOKENS = 24
@@ -319,9 +304,7 @@ def stage_real_shapes(device: torch.device, small: bool) -> None:
 
 
 def build_checkpoint(out: Path) -> None:
-    overrides = out.parent / "kernel_friendly_overrides.json"
-    overrides.write_text(json.dumps(KERNEL_FRIENDLY))
-    subprocess.run([sys.executable, "-m", "vllm_glm53.tiny", str(out), "--config", str(overrides)],
+    subprocess.run([sys.executable, "-m", "vllm_glm53.tiny", str(out), "--kernel-friendly"],
                    cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
 
 

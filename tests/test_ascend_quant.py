@@ -368,6 +368,7 @@ def test_vllm_ascend_registered_first_keeps_the_model_and_the_fp8_checkpoint(asc
     assert entry is theirs  # not overwritten
     assert claim is None  # vllm-ascend's own fp8 config takes the checkpoint
     assert "quantization ascend" not in registered  # vllm-ascend owns that name
+    assert "quantization glm5_next_mxfp8" in registered  # the plugin's re-grouping for vllm-ascend's model
     assert "served by vllm-ascend (vllm_ascend.models.glm5_next)" in caplog.text
 
 
@@ -388,5 +389,5 @@ def test_vllm_ascend_without_glm5next_leaves_the_model_to_the_plugin(ascend_modu
     monkeypatch.setitem(ModelRegistry.models, "Glm5NextForCausalLM", ModelRegistry.models["Glm5NextForCausalLM"])
     entry, registered, claim = _serving_state(caplog)
     assert entry.module_name == "vllm_glm53.model" and claim == "glm5_next_fp8"
-    assert "quantization ascend" not in registered
+    assert "quantization ascend" not in registered and "quantization glm5_next_mxfp8" not in registered
     assert "served by vllm-glm53 (platform npu)" in caplog.text

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vllm_glm53.backends.cpu import indexer as ix
-from vllm_glm53.backends.cpu import kda, kernels
+from vllm_glm53.backends.cpu import kda, kernels, mhc, moe
 from vllm_glm53.backends.cpu import sparse_mla as mla
 
 ops = kernels.ops()
@@ -297,3 +297,153 @@ def test_sparse_attention_one_sequence_matches_torch():
         idx = torch.stack([torch.randperm(S, generator=gen)[:N] for _ in range(Tq)])
         idx[0, N // 2 :] = -1
         _close(mla.sparse_latent_attention(q, latent, idx, 0.1), mla.sparse_latent_attention_torch(q, latent, idx, 0.1))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# mHC
+# ---------------------------------------------------------------------------------------------------------
+
+HC_EPS, NORM_EPS = 1e-6, 1e-5
+BF16_ULP = 2.0**-7  # relative spacing of bfloat16 values: rounding the same float32 sum may differ by one step
+
+
+def _mhc_inputs(T, n, D, dtype, seed, logit_scale=1.0):
+    """Streams and block parameters; fn scaled so the mixes ``m`` are about ``logit_scale`` in size (the streams
+    are RMS-normalised first)."""
+    gen = _gen(seed)
+    X = torch.randn(T, n, D, generator=gen).to(dtype)
+    fn = torch.randn((2 + n) * n, n * D, generator=gen) * (logit_scale / (n * D) ** 0.5)
+    base = torch.randn((2 + n) * n, generator=gen)
+    scale = torch.rand(3, generator=gen) + 0.5
+    return X, fn, base, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,D", [(4, 40), (2, 64)])
+def test_mhc_rms_norm_matches_torch(dtype, n, D):
+    X, *_ = _mhc_inputs(5, n, D, dtype, seed=40)
+    _close(ops.mhc_rms_norm(X, NORM_EPS), mhc.mhc_rms_norm_torch(X, NORM_EPS), rtol=2e-6, atol=1e-6)
+    padded = torch.randn(5, n, D + 7, generator=_gen(41)).to(dtype)[..., 3 : 3 + D]  # strided streams
+    _close(ops.mhc_rms_norm(padded, NORM_EPS), mhc.mhc_rms_norm_torch(padded, NORM_EPS), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 64])
+@pytest.mark.parametrize("n", [4, 2])
+@pytest.mark.parametrize("iters", [1, 20])
+@pytest.mark.parametrize("logit_scale", [1.0, 300.0])
+def test_mhc_coefficients_match_torch(T, n, iters, logit_scale):
+    """The fused sigmoid / softmax / Sinkhorn steps from the same GEMM output; n = 4 runs the kernel's unrolled
+    instantiation, n = 2 its generic one. At ``logit_scale`` 300 the softmax saturates (exp underflows to 0)
+    and Sinkhorn works on entries of size hc_eps."""
+    X, fn, base, scale = _mhc_inputs(T, n, 24, torch.float32, seed=T * n + iters, logit_scale=logit_scale)
+    m = mhc.mhc_rms_norm_torch(X, NORM_EPS) @ fn.t()
+    got = ops.mhc_coefficients(m, base, scale, n, HC_EPS, iters)
+    want = mhc.mhc_coefficients_from_mix_torch(m, base, scale, n, HC_EPS, iters)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32 and g.shape == w.shape
+        _close(g, w, rtol=1e-5, atol=2e-6)
+    if logit_scale > 1:
+        logits = m[:, 2 * n :].view(T, n, n) * scale[2] + base[2 * n :].view(n, n)
+        assert (torch.softmax(logits, dim=-1) == 0).any()
+    else:  # columns sum to 1 (a column of saturated entries only, all of size eps, sums to less)
+        torch.testing.assert_close(got[2].sum(dim=-2), torch.ones(T, n), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 17])
+def test_mhc_coefficients_end_to_end_match_torch(dtype, T):
+    """The backend entry point: compiled norm, torch GEMM, compiled coefficients, against the torch form."""
+    n = 4
+    X, fn, base, scale = _mhc_inputs(T, n, 40, dtype, seed=42 + T)
+    got = mhc.mhc_coefficients(X, fn, base, scale, n, HC_EPS, 20, NORM_EPS)
+    want = mhc.mhc_coefficients_torch(X, fn, base, scale, n, HC_EPS, 20, NORM_EPS)
+    for g, w in zip(got, want):
+        _close(g, w, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,D", [(4, 40), (2, 70)])
+def test_mhc_collapse_and_expand_match_torch(dtype, n, D):
+    T = 6
+    gen = _gen(43)
+    X = torch.randn(T, n, D + 5, generator=gen).to(dtype)[..., 2 : 2 + D]  # strided streams, lane tail
+    y = torch.randn(T, D, generator=gen).to(dtype)
+    pre = torch.rand(T, n, generator=gen) + 1e-6
+    post = 2 * torch.rand(T, n, generator=gen)
+    comb = torch.softmax(torch.randn(T, n, n, generator=gen), dim=-2)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=BF16_ULP, atol=1e-5)
+    u = mhc.mhc_collapse(X, pre)
+    assert u.dtype == dtype and u.shape == (T, D)
+    torch.testing.assert_close(u, mhc.mhc_collapse_torch(X, pre), **tol)
+    out = mhc.mhc_expand(X, y, post, comb)
+    assert out.dtype == dtype and out.shape == (T, n, D)
+    torch.testing.assert_close(out, mhc.mhc_expand_torch(X, y, post, comb), **tol)
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# routed experts
+# ---------------------------------------------------------------------------------------------------------
+
+MOE_E, MOE_D, MOE_I = 8, 72, 40  # hidden and intermediate sizes with lane tails
+MOE_USED, MOE_HOT = [0, 3, 5, 6], 3  # experts 1, 2, 4, 7 get no token; most tokens pick expert 3 first
+SWIGLU_LIMIT = 0.5  # small against gate / up values of about 1: both clamps are active
+
+
+def _moe_inputs(T, k, dtype, seed):
+    """x (a strided view), w13 [E, 2I, D], w2 [E, D, I] in ``dtype``; ids over MOE_USED, distinct per token,
+    with MOE_HOT chosen first by all tokens but every fourth; float32 routing weights."""
+    gen = _gen(seed)
+    x = torch.randn(T, MOE_D + 3, generator=gen).to(dtype)[:, 1 : 1 + MOE_D]
+    w13 = (torch.randn(MOE_E, 2 * MOE_I, MOE_D, generator=gen) / MOE_D**0.5).to(dtype)
+    w2 = (torch.randn(MOE_E, MOE_D, MOE_I, generator=gen) / MOE_I**0.5).to(dtype)
+    keys = torch.rand(T, len(MOE_USED), generator=gen)
+    keys[torch.arange(T) % 4 != 3, MOE_USED.index(MOE_HOT)] += 1.0
+    ids = torch.tensor(MOE_USED)[keys.topk(k, dim=-1).indices]
+    weights = torch.rand(T, k, generator=gen)
+    return x, w13, w2, ids, weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("T", [1, 5, 16, 33])
+def test_moe_experts_match_torch(T, k, dtype):
+    """The kernel accumulates in float32 from the stored values, so it is compared with the torch loop on the
+    same values in float32 (the loop in bfloat16 rounds gate_up, h and y to bfloat16 on the way)."""
+    x, w13, w2, ids, weights = _moe_inputs(T, k, dtype, seed=T * 10 + k)
+    if dtype != torch.float32:  # int32 ids, as some routers give them
+        ids = ids.int()
+    got = ops.moe_experts(x, w13, w2, ids, weights, SWIGLU_LIMIT)
+    assert got.dtype == torch.float32 and got.shape == (T, MOE_D)
+    want = moe.routed_experts_torch(x.float(), w13.float(), w2.float(), ids.long(), weights, SWIGLU_LIMIT)
+    _close(got, want)
+    gate_up = torch.nn.functional.linear(x.float(), w13[MOE_HOT].float())
+    assert (gate_up[:, :MOE_I] > SWIGLU_LIMIT).any() and (gate_up[:, MOE_I:].abs() > SWIGLU_LIMIT).any()
+    if dtype == torch.bfloat16:  # the model's own dtype path, to bfloat16 rounding of the intermediates
+        loop = moe.routed_experts_torch(x, w13, w2, ids.long(), weights, SWIGLU_LIMIT)
+        torch.testing.assert_close(got, loop, rtol=4 * BF16_ULP, atol=4 * BF16_ULP * loop.abs().max().item())
+
+
+def test_moe_experts_float32_tokens_with_bf16_weights():
+    x, w13, w2, ids, weights = _moe_inputs(7, 2, torch.bfloat16, seed=51)
+    x = torch.randn(x.shape, generator=_gen(52))
+    got = ops.moe_experts(x, w13, w2, ids, weights, SWIGLU_LIMIT)
+    _close(got, moe.routed_experts_torch(x, w13.float(), w2.float(), ids, weights, SWIGLU_LIMIT))
+
+
+@pytest.mark.parametrize("T", [3, 600])  # 600 tokens x 2 choices: above the kernel's float32 batch threshold
+def test_routed_experts_match_transformers_experts(T):
+    """The backend entry point (the kernel for the small batch, the torch loop for the large one) against
+    transformers' Glm5NextTextExperts with the same weights and routing."""
+    hf = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
+    assert (T * 2 > moe.KERNEL_MAX_PAIRS_PER_EXPERT[torch.float32] * MOE_E) == (T > 3)
+    x, w13, w2, ids, weights = _moe_inputs(T, 2, torch.float32, seed=53)
+    x = x.contiguous()
+    config = hf.Glm5NextTextConfig(hidden_size=MOE_D, moe_intermediate_size=MOE_I, n_routed_experts=MOE_E,
+                                   swiglu_limit=SWIGLU_LIMIT)
+    experts = hf.Glm5NextTextExperts(config)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(w13)
+        experts.down_proj.copy_(w2)
+        want = experts(x, ids, weights)
+    _close(moe.routed_experts(x, w13, w2, ids, weights, SWIGLU_LIMIT), want)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from transformers.models.glm5_next import modeling_glm5_next as hf
 
 import hf_ref
-from vllm_glm53.model.mhc import MHCParams, mhc_coefficients, mhc_collapse, mhc_expand
+from vllm_glm53.backends.cpu.mhc import mhc_coefficients, mhc_collapse, mhc_expand
+from vllm_glm53.model.mhc import MHCParams
 from vllm_glm53.model.moe_routing import clamped_swiglu, route
 
 torch.set_num_threads(2)

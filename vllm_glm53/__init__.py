@@ -55,8 +55,8 @@ def register() -> list[str]:
 
     done: list[str] = []
     for arch, target in MODELS.items():
-        _vllm.register_model(arch, *target)
-        done.append(f"model {arch}")
+        if _vllm.register_model(arch, *target):
+            done.append(f"model {arch}")
     for mode, target in TOKENIZER_MODES.items():
         _vllm.register_tokenizer_mode(mode, *target)
         done.append(f"tokenizer-mode {mode}")

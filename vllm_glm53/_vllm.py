@@ -24,12 +24,14 @@ def _first_module(*names: str):
     raise ModuleNotFoundError(f"none of {names} is importable in this vLLM")
 
 
-def register_model(arch: str, module: str, cls: str) -> None:
+def register_model(arch: str, module: str, cls: str) -> bool:
+    """Register a model class; returns False (nothing registered) where vllm-ascend serves GLM5Next itself."""
     from vllm import ModelRegistry
 
-    if ascend_glm5next_module() is not None:  # vllm-ascend serves GLM5Next itself (section "quantization")
-        return
+    if ascend_glm5next_module() is not None:  # section "quantization": the plugin defers to it
+        return False
     ModelRegistry.register_model(arch, f"{module}:{cls}")
+    return True
 
 
 def register_tokenizer_mode(mode: str, module: str, cls: str) -> None:
@@ -444,7 +446,16 @@ _LAZY_NAMES.update(
         "register_weight_loader_v2_supported_method": _LINEAR,
         "ModelWeightParameter": _PARAMETER,
         "ChannelQuantScaleParameter": _PARAMETER,
+        "BlockQuantScaleParameter": _PARAMETER,
         "get_current_vllm_config_or_none": ("vllm.config",),
+        # block-FP8 checkpoints served by another model's vLLM layers (vllm-ascend's GLM5Next on Ascend 950):
+        # the checks vLLM's own block-FP8 methods run, the ignore-list rule, and vLLM's MoE method interface
+        "validate_fp8_block_shape": ("vllm.model_executor.layers.quantization.utils.fp8_utils",),
+        "validate_fp8_block_shape_moe": ("vllm.model_executor.layers.quantization.utils.fp8_utils",),
+        "is_layer_skipped": ("vllm.model_executor.layers.quantization.utils.quant_utils",),
+        "FusedMoEMethodBase": ("vllm.model_executor.layers.fused_moe",),
+        "FusedMoeWeightScaleSupported": ("vllm.model_executor.layers.fused_moe",),
+        "get_quantization_config": ("vllm.model_executor.layers.quantization",),
         # CUDA/ROCm: vLLM's block-FP8 methods and fused MoE serve the FP8 layers natively
         "Fp8Config": ("vllm.model_executor.layers.quantization.fp8",),
         "FusedMoEFactory": ("vllm.model_executor.layers.fused_moe.layer", "vllm.model_executor.layers.fused_moe"),
@@ -454,8 +465,14 @@ _LAZY_NAMES.update(
 
 def register_quantization_config(name: str, config_cls) -> None:
     from vllm.model_executor.layers.quantization import register_quantization_config as register
+    from vllm.platforms import current_platform
 
     register(name)(config_cls)
+    # vLLM 0.32 appends a new name to the platform's allow-list itself, but only the first time the name is
+    # registered; platforms with a list (NPUPlatform) reject anything else in verify_quantization.
+    allowed = current_platform.supported_quantization
+    if allowed and name not in allowed:
+        allowed.append(name)
 
 
 def quantization_methods() -> list[str]:
@@ -494,6 +511,27 @@ def ascend_glm5next_module() -> str | None:
         except ModuleNotFoundError:
             continue
     return None
+
+
+def ascend_device_type() -> str | None:
+    """The Ascend generation vllm-ascend says it runs on (``A2``, ``A3``, ``_310P``, ``A5`` = Ascend 950), or
+    None where vllm-ascend cannot say. Only asked on an NPU, where vllm-ascend's platform is already imported;
+    the function moved from ``vllm_ascend.utils`` to ``vllm_ascend.device.device_config``."""
+    for module in ("vllm_ascend.device.device_config", "vllm_ascend.utils"):
+        try:
+            get_type = getattr(importlib.import_module(module), "get_ascend_device_type")
+        except (ImportError, AttributeError):
+            continue
+        kind = get_type()
+        return str(getattr(kind, "name", kind))
+    return None
+
+
+def moe_layer_types() -> tuple[type, ...]:
+    """The vLLM module classes whose quantization method is a fused-MoE method: ``RoutedExperts`` (vLLM 0.32,
+    which asks the config with the experts container itself), ``FusedMoE`` in older releases."""
+    module = importlib.import_module("vllm.model_executor.layers.fused_moe")
+    return tuple(getattr(module, name) for name in ("RoutedExperts", "FusedMoE") if hasattr(module, name))
 
 
 def multimodal_processor(model: str, **model_config_kwargs):

@@ -98,6 +98,13 @@ def default_config() -> dict:
     return json.loads(resources.files("vllm_glm53.data").joinpath("tiny_config.json").read_text())
 
 
+def kernel_friendly_overrides() -> dict:
+    """Overrides giving the tiny model the real per-head geometry (KDA heads of 128, latent 512, q/k/v heads of
+    256, indexer 4 x 128, index_topk 64 in pools of 4) with everything else small: what compiled and GPU kernels
+    need to run their real code paths, and what the benchmarks measure."""
+    return json.loads(resources.files("vllm_glm53.data").joinpath("kernel_friendly.json").read_text())
+
+
 def _merge(base: dict, overrides: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in overrides.items():
@@ -395,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vllm_glm53.tiny", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--config", help="JSON file of overrides for the text config (and vision_config)")
+    parser.add_argument("--kernel-friendly", action="store_true",
+                        help="real per-head geometry (latent 512, heads of 128/256), applied before --config")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     quant = parser.add_mutually_exclusive_group()
@@ -405,8 +414,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--exact-mtp", action="store_true",
                         help="zero the main model's sublayers and make the MTP layer draft exactly (spec-decode tests)")
     args = parser.parse_args(argv)
-    overrides = json.loads(Path(args.config).read_text()) if args.config else None
-    path = build_checkpoint(args.out_dir, overrides, args.seed, args.dtype, args.fp8, args.layout, args.w8a8)
+    overrides = kernel_friendly_overrides() if args.kernel_friendly else {}
+    if args.config:
+        overrides = _merge(overrides, json.loads(Path(args.config).read_text()))
+    path = build_checkpoint(args.out_dir, overrides or None, args.seed, args.dtype, args.fp8, args.layout, args.w8a8)
     if args.exact_mtp:
         make_exact_mtp(path)
     print(f"wrote tiny GLM-5.3 checkpoint to {path}")

@@ -1,14 +1,16 @@
-"""Compute backends for the op families of GLM-5.3-Flash (KDA, lightning indexer, sparse MLA), one sub-package
-per platform, each with the same functions and signatures:
+"""Compute backends for the op families of GLM-5.3-Flash (KDA, lightning indexer, sparse MLA, mHC, routed experts),
+one sub-package per platform, each with the same functions and signatures:
 
-  * ``cpu``  — plain PyTorch (its torch ops run on any device); the numerical reference for the others.
+  * ``cpu``  — compiled CPU kernels where built, else plain PyTorch (its torch ops run on any device); the
+    plain forms are the numerical reference for the others.
   * ``cuda`` — GPUs (NVIDIA CUDA and AMD ROCm): KDA through fla-core's Triton kernels, the indexer and sparse
     MLA through this package's Triton kernels (FlashMLA's sparse kernel where vLLM ships it). Needs ``triton``
-    and, for KDA, ``fla-core`` (the ``cuda`` extra).
+    and, for KDA, ``fla-core`` (the ``cuda`` extra). mHC and the unquantized routed experts use the CPU
+    backend's torch forms there.
 
-Layers use ``kda_ops``, ``indexer_ops`` and ``mla_ops``. Each is resolved on first use (importing this package
-costs nothing) from the platform vLLM runs on; a GPU family whose packages are missing falls back to ``cpu``
-with a warning, family by family (no fla-core: KDA on torch, indexer and MLA still on Triton).
+Layers use ``kda_ops``, ``indexer_ops``, ``mla_ops``, ``mhc_ops`` and ``moe_ops``. Each is resolved on first use
+(importing this package costs nothing) from the platform vLLM runs on; a GPU family whose packages are missing falls
+back to ``cpu`` with a warning, family by family (no fla-core: KDA on torch, indexer and MLA still on Triton).
 ``VLLM_GLM53_BACKEND=cpu|cuda`` overrides the platform.
 """
 
@@ -22,11 +24,12 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 # Attribute the layers use -> module name inside each platform sub-package.
-_FAMILIES = {"kda_ops": "kda", "indexer_ops": "indexer", "mla_ops": "sparse_mla"}
+_FAMILIES = {"kda_ops": "kda", "indexer_ops": "indexer", "mla_ops": "sparse_mla", "mhc_ops": "mhc",
+             "moe_ops": "moe"}
 # Platform (as vLLM names it) -> backend sub-package. Triton and fla-core serve NVIDIA and AMD GPUs alike.
 _PACKAGES = {"cuda": "cuda", "rocm": "cuda", "cpu": "cpu"}
 
-__all__ = ["indexer_ops", "kda_ops", "mla_ops", "backend_name", "load_backend"]
+__all__ = ["indexer_ops", "kda_ops", "mhc_ops", "mla_ops", "moe_ops", "backend_name", "load_backend"]
 
 
 def _platform() -> str:
@@ -48,8 +51,9 @@ def _platform() -> str:
 
 
 def load_backend(family: str, platform: str | None = None) -> ModuleType:
-    """The module implementing ``family`` (``kda``, ``indexer`` or ``sparse_mla``) on ``platform`` (default:
-    the current one). A GPU backend whose packages are not importable gives the CPU module, with a warning."""
+    """The module implementing ``family`` (``kda``, ``indexer``, ``sparse_mla``, ``mhc`` or ``moe``) on ``platform``
+    (default: the current one). A GPU backend whose packages are not importable gives the CPU module, with a
+    warning."""
     package = _PACKAGES.get(platform or _platform(), "cpu")
     if package != "cpu":
         try:

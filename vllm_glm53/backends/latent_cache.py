@@ -24,20 +24,15 @@ from vllm_glm53._vllm import AttentionBackend, AttentionCGSupport, AttentionImpl
 class LatentCacheMetadata:
     num_reqs: int
     num_actual_tokens: int
-    query_start_loc: list[int]  # [num_reqs + 1] token offsets of each request in the batch
-    seq_lens: list[int]  # [num_reqs] tokens of each request including this step's
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64 on the CPU: token offsets of each request in the batch
+    seq_lens: torch.Tensor  # [num_reqs] int64 on the CPU: tokens of each request including this step's
     block_table: torch.Tensor  # [num_reqs, max_blocks] cache block ids (kernel-block granularity)
     slot_mapping: torch.Tensor  # [num_actual_tokens] cache slot of each new token
-
-    def positions(self, r: int, device) -> torch.Tensor:
-        """Absolute positions of request ``r``'s new tokens (the last ``q_len`` of its sequence)."""
-        q_len = self.query_start_loc[r + 1] - self.query_start_loc[r]
-        return torch.arange(self.seq_lens[r] - q_len, self.seq_lens[r], device=device)
 
 
 class LatentCacheMetadataBuilder(AttentionMetadataBuilder):
     _cudagraph_support = AttentionCGSupport.NEVER
-    reorder_batch_threshold = None  # any batch order works: every request is handled on its own
+    reorder_batch_threshold = None  # any batch order works: the ops find each request by query_start_loc
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -45,13 +40,12 @@ class LatentCacheMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> LatentCacheMetadata:
         m = common_attn_metadata
         n = m.num_reqs
-        qsl = m.query_start_loc_cpu[: n + 1].tolist()
-        seq_lens = m.seq_lens[:n].to("cpu").tolist()
         return LatentCacheMetadata(
             num_reqs=n,
             num_actual_tokens=m.num_actual_tokens,
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
+            # Host copies: the ops walk requests on the CPU (the CPU kernels) or build launch grids from them.
+            query_start_loc=m.query_start_loc_cpu[: n + 1].to(torch.int64),
+            seq_lens=m.seq_lens[:n].to("cpu", torch.int64),
             block_table=m.block_table_tensor[:n],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
         )
@@ -105,10 +99,3 @@ def write_rows(rows: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Ten
     valid = slot_mapping >= 0  # padded tokens carry slot -1
     slots = slot_mapping[valid].to(torch.int64)
     rows[slots // block_size, slots % block_size] = values[valid].to(rows.dtype)
-
-
-def read_rows(rows: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """Rows of positions ``0..length-1`` of one request, given its block-table row."""
-    block_size = rows.shape[1]
-    n_blocks = (length + block_size - 1) // block_size
-    return rows[block_ids[:n_blocks].to(torch.int64)].reshape(n_blocks * block_size, rows.shape[2])[:length]

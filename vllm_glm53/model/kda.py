@@ -155,15 +155,11 @@ class Glm5NextKDA(nn.Module, MambaBase):
         slots = meta.non_spec_state_indices_tensor
         qsl = meta.non_spec_query_start_loc.tolist()
         nd = meta.num_decodes
-        if nd:
+        if nd:  # updated in place in the pools: each state is read and written once
             slot = slots[:nd]
-            conv = conv_pool[slot]
-            y = kda_ops.causal_conv1d_update(qkv[:nd], self.conv_weight, conv)
-            conv_pool[slot] = conv
+            y = kda_ops.causal_conv1d_update_slots(qkv[:nd], self.conv_weight, conv_pool, slot)
             q, k, v = self._split(y)
-            state = state_pool[slot]
-            out[:nd] = kda_ops.kda_decode_step(q, k, v, g[:nd], beta[:nd], state)
-            state_pool[slot] = state
+            out[:nd] = kda_ops.kda_decode_step_slots(q, k, v, g[:nd], beta[:nd], state_pool, slot)
         has_init = meta.has_initial_state
         for r in range(nd, nd + meta.num_prefills):
             lo, hi = qsl[r], qsl[r + 1]

@@ -8,6 +8,16 @@ pre-norm N:
     X' = mhc_expand(X, y, post, comb)                   # X'_j = post_j y + sum_i comb[i, j] X_i
 All coefficient maths and the final mix run in float32 (as vLLM does; transformers mixes in the model dtype) and
 results are cast back to the stream dtype.
+
+Coefficients, per token, from the flattened streams x (n*D values) and the block's fn ``[(2+n)n, nD]``, base
+``[(2+n)n]`` and scale ``(s_pre, s_post, s_comb)``:
+    m    = (x * rsqrt(mean(x^2) + rms_norm_eps)) @ fn^T                  an unweighted RMS norm, then one GEMM
+    pre  = sigmoid(s_pre m[:n] + base[:n]) + hc_eps
+    post = 2 sigmoid(s_post m[n:2n] + base[n:2n])                       in (0, 2)
+    comb = softmax_j(s_comb M + B) + hc_eps                             M[i, j] = m[2n + i n + j], B likewise
+then Sinkhorn on comb: divide each column by (its sum + hc_eps), then ``sinkhorn_iters - 1`` times rows then
+columns the same way, so comb ends column-normalised (nearly doubly stochastic): each output stream is a convex
+mix of the input streams plus a gated copy of the sublayer output.
 """
 
 from __future__ import annotations
@@ -15,56 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["mhc_coefficients", "mhc_collapse", "mhc_expand", "MHCParams"]
+from vllm_glm53.backends import mhc_ops
 
-
-def mhc_coefficients(
-    X: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    hc_mult: int,
-    eps: float,
-    sinkhorn_iters: int,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Coefficients of one mHC block.
-
-    X: ``[T, n, D]``; fn: ``[(2+n)n, nD]`` (rows: n "pre", n "post", n*n "comb" row-major); base: ``[(2+n)n]``;
-    scale: ``[3]`` = (s_pre, s_post, s_comb); eps = ``hc_eps``; norm_eps = ``rms_norm_eps`` of the unweighted
-    RMS norm over all n*D values.
-    Returns float32 ``pre [T, n]``, ``post [T, n]`` in (0, 2) and ``comb [T, n, n]`` (Sinkhorn-normalised,
-    columns sum to 1; ``comb[i, j]`` weighs input stream i into output stream j).
-    """
-    n = hc_mult
-    x = X.reshape(X.shape[0], -1).to(torch.float32)
-    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
-    m = x @ fn.to(torch.float32).t()  # [T, (2+n)n]
-    base = base.to(torch.float32)
-    s_pre, s_post, s_comb = scale.to(torch.float32).unbind(0)
-
-    pre = torch.sigmoid(m[:, :n] * s_pre + base[:n]) + eps
-    post = 2.0 * torch.sigmoid(m[:, n : 2 * n] * s_post + base[n : 2 * n])
-    comb_logits = m[:, 2 * n :].view(-1, n, n) * s_comb + base[2 * n :].view(n, n)
-    comb = torch.softmax(comb_logits, dim=-1) + eps
-    # Sinkhorn: column, then (sinkhorn_iters - 1) x (row, column); ends column-normalised.
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
-
-
-def mhc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """``u = sum_i pre_i X_i``: ``[T, n, D] -> [T, D]``, float32 accumulation, returned in ``X.dtype``."""
-    return (pre.to(torch.float32).unsqueeze(-1) * X.to(torch.float32)).sum(dim=1).to(X.dtype)
-
-
-def mhc_expand(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """``X'_j = post_j y + sum_i comb[i, j] X_i`` (``X' = post (x) y + comb^T X``): ``[T, n, D]``, float32 maths,
-    returned in ``X.dtype``."""
-    mixed = torch.matmul(comb.to(torch.float32).transpose(-1, -2), X.to(torch.float32))
-    return (post.to(torch.float32).unsqueeze(-1) * y.to(torch.float32).unsqueeze(1) + mixed).to(X.dtype)
+__all__ = ["MHCParams"]
 
 
 class MHCParams(nn.Module):
@@ -87,11 +50,11 @@ class MHCParams(nn.Module):
     def pre(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``X [T, n, D] -> (u [T, D] in X.dtype, post [T, n], comb [T, n, n])``: the sublayer input and the
         coefficients :meth:`post` needs afterwards."""
-        pre, post, comb = mhc_coefficients(
+        pre, post, comb = mhc_ops.mhc_coefficients(
             X, self.fn, self.base, self.scale, self.hc_mult, self.hc_eps, self.sinkhorn_iters, self.norm_eps
         )
-        return mhc_collapse(X, pre), post, comb
+        return mhc_ops.mhc_collapse(X, pre), post, comb
 
     def post(self, X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """Streams after the block: :func:`mhc_expand` of the block's input streams X and sublayer output y."""
-        return mhc_expand(X, y, post, comb)
+        return mhc_ops.mhc_expand(X, y, post, comb)

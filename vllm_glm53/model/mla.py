@@ -23,7 +23,7 @@ from vllm_glm53._vllm import (
     get_tensor_model_parallel_world_size,
 )
 from vllm_glm53.backends import indexer_ops, mla_ops
-from vllm_glm53.backends.latent_cache import LatentCacheBackend, cache_rows, read_rows, write_rows
+from vllm_glm53.backends.latent_cache import LatentCacheBackend, cache_rows, write_rows
 from vllm_glm53.config import TextArch
 from vllm_glm53.model.norm import RMSNorm
 from vllm_glm53.quant.plan import layer_quant
@@ -130,9 +130,10 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
 
     # --- forward ---------------------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, shared_selection: list[torch.Tensor] | None = None):
-        """Returns ``(output [T, D], selection)``: ``selection`` holds one index tensor per request (what a
-        following ``shared`` layer reuses); a shared layer passes the one it was given through."""
+    def forward(self, x: torch.Tensor, shared_selection: torch.Tensor | None = None):
+        """Returns ``(output [T, D], selection)``: ``selection [tokens, index_width]`` holds each token's chosen
+        positions within its request (-1 unused), what a following ``shared`` layer reuses; a shared layer
+        passes the one it was given through."""
         a = self.arch
         T = x.shape[0]
         if self.w_uk is None:
@@ -150,47 +151,31 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
             new_rows = torch.nn.functional.pad(new_rows, (0, 2 * a.index_head_dim))
 
         meta = _vllm.layer_attn_metadata(self.prefix)
-        if meta is None:  # profiling / dummy run: the batch is one fresh sequence
-            spans = [(0, T, torch.arange(T, device=x.device), new_rows)]
+        if meta is None:  # profiling / dummy run: the batch is one fresh sequence, its rows one page
+            rows = new_rows.unsqueeze(0)
+            block_table = torch.zeros(1, 1, dtype=torch.int32, device=x.device)
+            query_start_loc, seq_lens = torch.tensor([0, T]), torch.tensor([T])
+            n = T
         else:
             rows = cache_rows(self.kv_cache)
             write_rows(rows, meta.slot_mapping, new_rows)
-            spans = [
-                (lo, hi, meta.positions(r, x.device), read_rows(rows, meta.block_table[r], meta.seq_lens[r]))
-                for r, (lo, hi) in enumerate(zip(meta.query_start_loc[:-1], meta.query_start_loc[1:]))
-            ]
+            block_table, query_start_loc, seq_lens = meta.block_table, meta.query_start_loc, meta.seq_lens
+            n = meta.num_actual_tokens
 
+        # Both ops read the paged cache in place: the indexer the keys of each request's complete pools, the
+        # attention only the selected latent rows (so its cost stops growing once the context exceeds
+        # index_topk).
+        if self.indexer is not None:
+            selection = indexer_ops.select_batch(
+                q_idx[:n], w_idx[:n], rows, block_table, query_start_loc, seq_lens,
+                self.indexer.index_kpool_compress_ape, a.kv_lora_rank, a.index_topk, a.index_kpool)
+        elif shared_selection is None:
+            raise RuntimeError(f"{self.prefix}: shared indexer layer got no selection to reuse")
+        else:
+            selection = shared_selection
         o_lat = torch.zeros_like(q_lat)
-        selection = []
-        for r, (lo, hi, positions, seq_rows) in enumerate(spans):
-            if hi == lo:
-                selection.append(None)
-                continue
-            if self.indexer is not None:
-                sel = self._select(seq_rows, q_idx[lo:hi], w_idx[lo:hi], positions)
-            else:
-                if shared_selection is None:
-                    raise RuntimeError(f"{self.prefix}: shared indexer layer got no selection to reuse")
-                sel = shared_selection[r]
-            selection.append(sel)
-            latent = seq_rows[:, : a.kv_lora_rank]
-            o_lat[lo:hi] = mla_ops.sparse_latent_attention(q_lat[lo:hi], latent, sel, self.scale)
+        o_lat[:n] = mla_ops.sparse_latent_attention_paged(q_lat[:n], rows, block_table, query_start_loc, seq_lens,
+                                                          selection, self.scale, a.kv_lora_rank)
         o = mla_ops.apply_uv(o_lat, self.w_uv)
         out, _ = self.o_proj(o.reshape(T, -1))
         return out, selection
-
-    def _select(self, seq_rows, q_idx, w_idx, positions) -> torch.Tensor:
-        a = self.arch
-        kp, L, dI = a.index_kpool, a.kv_lora_rank, a.index_head_dim
-        if indexer_ops.all_candidates_fit(int(positions.max()), a.index_topk, kp):
-            return indexer_ops.select_tokens(None, positions, a.index_topk, kp)
-        seq_len = int(positions.max()) + 1
-        n_pools = seq_len // kp
-        pooled_rows = seq_rows[: n_pools * kp]
-        pooled = indexer_ops.kpool_compress(pooled_rows[:, L : L + dI], pooled_rows[:, L + dI :],
-                                            self.indexer.index_kpool_compress_ape)
-        scores = indexer_ops.index_scores(q_idx, w_idx, pooled)
-        if seq_len % kp:  # transformers' row layout has a column for the incomplete pool (never chosen)
-            scores = torch.nn.functional.pad(scores, (0, 1))
-        return indexer_ops.select_tokens(scores, positions, a.index_topk, kp)
-

@@ -2,8 +2,9 @@
 dimension.
 
 Why not vLLM's fused MoE on CPU: its CPU expert kernels take only an activation name and silently drop
-``swiglu_limit``, so GLM-5.3's clamped SwiGLU would be computed unclamped. The experts here are grouped per
-expert (one GEMM pair per expert that received tokens), with routing from :mod:`.moe_routing`. Quantized
+``swiglu_limit``, so GLM-5.3's clamped SwiGLU would be computed unclamped. The experts here run through
+``moe_ops.routed_experts`` (a compiled kernel for decode-sized CPU batches, else one GEMM pair per expert that
+received tokens), with routing from :mod:`.moe_routing`. Quantized
 checkpoints swap the expert stack for one of :mod:`vllm_glm53.quant.experts` (vLLM's fused MoE on CUDA, the
 Ascend grouped matmuls on NPU) and hand ``quant_config`` to the linear layers, as the plan says
 (:mod:`vllm_glm53.quant.plan`).
@@ -21,10 +22,10 @@ from vllm_glm53._vllm import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from vllm_glm53.backends import moe_ops
 from vllm_glm53.config import TextArch
 from vllm_glm53.model.moe_routing import clamped_swiglu, route
 from vllm_glm53.quant import experts as quant_experts
-from vllm_glm53.quant.experts import group_by_expert
 from vllm_glm53.quant.fp8 import BlockFp8Weight
 from vllm_glm53.quant.plan import LayerQuant, layer_quant
 
@@ -131,19 +132,7 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(router_logits)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        order, token_of, counts = group_by_expert(ids, self.num_experts)
-        start = 0
-        for expert, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            pairs = order[start : start + n]
-            tokens = token_of[start : start + n]
-            start += n
-            h = clamped_swiglu(torch.nn.functional.linear(x[tokens], self.w13[expert]), self.swiglu_limit)
-            y = torch.nn.functional.linear(h, self.w2[expert])
-            out.index_add_(0, tokens, y.to(torch.float32) * weights.reshape(-1)[pairs, None])
-        return out
+        return moe_ops.routed_experts(x, self.w13, self.w2, ids, weights, self.swiglu_limit)
 
 
 def _routed_experts(arch: TextArch, quant: LayerQuant | None, prefix: str, tp_rank: int, tp_size: int,

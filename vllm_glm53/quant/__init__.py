@@ -10,7 +10,8 @@ per-token int8 activations, and the reference matmul.
 
 Serving:
 ``fp8``: pairing streamed FP8 weights with their scales, and what a layer keeps of them;
-``configs``: the ``--quantization`` configs registered with vLLM (``glm5_next_fp8``, and ``ascend`` where no
-vllm-ascend owns it); ``plan``: per-layer decisions from the checkpoint's tensors; ``linear`` and ``experts``:
-the quantized linear methods and expert stacks; ``npu``: the ``torch_npu`` calls and their layouts.
+``configs``: the ``--quantization`` configs registered with vLLM (``glm5_next_fp8``, ``ascend`` where no
+vllm-ascend owns it, ``glm5_next_mxfp8`` where vllm-ascend's own model serves GLM-5.3); ``plan``: per-layer
+decisions from the checkpoint's tensors; ``linear`` and ``experts``: the quantized linear methods and expert
+stacks; ``npu``: the ``torch_npu`` calls and their layouts.
 """

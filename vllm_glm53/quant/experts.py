@@ -8,12 +8,16 @@ the MoE block). Each rank holds every expert's slice ``[lo, hi)`` of the interme
 
 The Ascend stacks keep their weights in the grouped-matmul layout, ``[E, K, N]`` with the scales beside, and
 write each expert into it as it streams in, so no second copy is made after loading.
+
+:class:`BlockFp8Mxfp8MoEMethod` is the same MXFP8 computation as a vLLM fused-MoE method, for the experts of
+another model class built from vLLM layers (vllm-ascend's GLM5Next, :mod:`.configs`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -192,3 +196,99 @@ class FusedFp8Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         return self.runner(hidden_states=x, router_logits=router_logits).float()
+
+
+@dataclass
+class AscendExpertsResult:
+    """What vllm-ascend's experts layer (``AscendRoutedExperts.forward_impl``) reads from its method's
+    ``apply``: the routed output, and the tokens per local expert (``group_list_type`` 1: counts, not cumulative)
+    for its dynamic expert load balancer."""
+
+    routed_out: torch.Tensor
+    expert_tokens: torch.Tensor
+    group_list_type: int = 1
+
+
+class BlockFp8Mxfp8MoEMethod(_vllm.FusedMoEMethodBase):
+    """The MXFP8 experts for a vLLM ``RoutedExperts`` layer whose model loads the block-FP8 checkpoint itself
+    (vllm-ascend's GLM5Next on Ascend 950, :mod:`.configs`).
+
+    Parameters are the checkpoint's, as vLLM's block-FP8 MoE method declares them (``w13_weight [E, 2I, D]``,
+    ``w2_weight [E, D, I]`` E4M3 and their ``*_weight_scale_inv`` block scales, loaded by vLLM's expert weight
+    loader), so the model's ``load_weights`` runs unchanged. After loading every expert is re-grouped to MXFP8
+    and moved to the grouped-matmul layout of :class:`Mxfp8Experts`, one expert at a time; ``apply`` then runs
+    the same two ``npu_grouped_matmul`` calls on the routing the layer's router chose, with the layer's
+    ``swiglu_limit``. The output is this rank's share (the layer's runner reduces it over TP ranks); for
+    vllm-ascend's experts layer it comes wrapped as :class:`AscendExpertsResult`, which that layer hands to its
+    communication method's ``finalize``.
+    """
+
+    def __init__(self, moe_config, block_size: tuple[int, int]) -> None:
+        super().__init__(moe_config)
+        self.block_size = tuple(int(b) for b in block_size)
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        from vllm_glm53.quant.linear import UNLOADED_SCALE
+
+        E, D, I = num_experts, hidden_size, intermediate_size_per_partition
+        if D % GROUP or I % GROUP:
+            raise ValueError(f"MXFP8 experts need hidden ({D}) and per-rank intermediate ({I}) sizes that are "
+                             f"multiples of {GROUP}")
+        _vllm.validate_fp8_block_shape_moe(I, list(self.block_size))  # whole blocks per rank, as vLLM's loader needs
+        bn, bk = self.block_size
+        layer.weight_block_size = list(self.block_size)
+        params = {
+            "w13_weight": torch.empty(E, 2 * I, D, dtype=torch.float8_e4m3fn),
+            "w2_weight": torch.empty(E, D, I, dtype=torch.float8_e4m3fn),
+            "w13_weight_scale_inv": torch.full((E, 2 * math.ceil(I / bn), math.ceil(D / bk)), UNLOADED_SCALE),
+            "w2_weight_scale_inv": torch.full((E, math.ceil(D / bn), math.ceil(I / bk)), UNLOADED_SCALE),
+        }
+        for name, data in params.items():
+            param = nn.Parameter(data, requires_grad=False)
+            layer.register_parameter(name, param)
+            attrs = dict(extra_weight_attrs)
+            if name.endswith("_scale_inv"):  # tells vLLM's expert loader to shard these per block
+                attrs["quant_method"] = _vllm.FusedMoeWeightScaleSupported.BLOCK.value
+            for key, value in attrs.items():
+                setattr(param, key, value)
+
+    def process_weights_after_loading(self, layer) -> None:
+        from vllm_glm53.quant.linear import UNLOADED_SCALE
+        from vllm_glm53.quant.mxfp8 import regroup
+
+        for stem in ("w13", "w2"):
+            weight, scale_inv = getattr(layer, f"{stem}_weight").data, getattr(layer, f"{stem}_weight_scale_inv").data
+            if bool((scale_inv == UNLOADED_SCALE).any()):
+                raise ValueError(f"{layer.layer_name}: some experts got no {stem}_weight_scale_inv from the checkpoint")
+            # gate | up are whole blocks each (checked in create_weights), so w13 re-groups as one tensor
+            E, N, K = weight.shape
+            kernel_w = torch.empty(E, K, N, dtype=torch.float8_e4m3fn, device=weight.device)
+            kernel_s = torch.empty(E, math.ceil(K / 64), N, 2, dtype=torch.uint8, device=weight.device)
+            for e in range(E):
+                kernel_w[e], kernel_s[e] = npu.mx_weight_layout(*regroup(weight[e], scale_inv[e], self.block_size))
+            delattr(layer, f"{stem}_weight_scale_inv")
+            setattr(layer, f"{stem}_weight", nn.Parameter(kernel_w, requires_grad=False))
+            setattr(layer, f"{stem}_weight_scale", nn.Parameter(kernel_s, requires_grad=False))
+
+    def get_fused_moe_quant_config(self, layer):
+        return None  # no vLLM kernel runs these experts
+
+    def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        from vllm_glm53.model.moe_routing import clamped_swiglu
+
+        if getattr(layer, "expert_map", None) is not None:
+            raise NotImplementedError("MXFP8 experts serve tensor parallelism only, not expert parallelism")
+        if layer.apply_router_weight_on_input or getattr(layer.activation, "value", layer.activation) != "silu":
+            raise NotImplementedError(f"{layer.layer_name}: MXFP8 experts run SiLU-gated experts weighted after "
+                                      "the down projection")
+        limit = math.inf if layer.swiglu_limit is None else layer.swiglu_limit
+        order, tokens, counts = group_by_expert(topk_ids.long(), layer.w13_weight.shape[0])
+        group_list = counts.cumsum(0)
+        up = npu.mx_grouped_matmul(x[tokens], layer.w13_weight, layer.w13_weight_scale, group_list)
+        down = npu.mx_grouped_matmul(clamped_swiglu(up, limit), layer.w2_weight, layer.w2_weight_scale, group_list)
+        out = combine(x, down, topk_weights, order, tokens).to(x.dtype)
+        if type(layer).__module__.startswith("vllm_ascend."):
+            return AscendExpertsResult(out, counts)
+        return out

@@ -1,16 +1,19 @@
-"""vLLM linear methods for the plugin's quantized linear layers (chosen by :mod:`.plan`).
+"""vLLM linear methods for the plugin's quantized linear layers (chosen by :mod:`.plan`), and the MXFP8 method
+the plugin lends to vLLM linear layers of another model class (:mod:`.configs`, vllm-ascend's GLM5Next).
 
-Both keep the checkpoint's own tensor layout as parameters, so vLLM's parameter loaders shard and fuse them
+All keep a checkpoint's own tensor layout as parameters, so vLLM's parameter loaders shard and fuse them
 like any weight (TP, gate|up, q|k|v), and move to the kernels' layout after loading.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vllm_glm53 import _vllm
 from vllm_glm53.quant import npu
-from vllm_glm53.quant.mxfp8 import GROUP
+from vllm_glm53.quant.mxfp8 import GROUP, regroup
 from vllm_glm53.quant.w8a8 import W8A8_DYNAMIC, w8a8_matmul
 
 
@@ -46,6 +49,62 @@ class Mxfp8LinearMethod(_vllm.LinearMethodBase):
         shape = x.shape
         out = npu.mx_linear(x.reshape(-1, shape[-1]), layer.weight, layer.weight_scale, bias)
         return out.reshape(*shape[:-1], out.shape[-1])
+
+
+# What an FP8 scale parameter holds until the checkpoint fills it: no loaded block scale is negative.
+UNLOADED_SCALE = -1.0
+
+
+@_vllm.register_weight_loader_v2_supported_method
+class BlockFp8Mxfp8LinearMethod(Mxfp8LinearMethod):
+    """:class:`Mxfp8LinearMethod` for a vLLM linear layer whose model loads the block-FP8 checkpoint itself.
+
+    Its parameters are the checkpoint's (``weight`` E4M3 ``[N, K]``, ``weight_scale_inv`` fp32 block scales) as
+    vLLM's block-FP8 method declares them, so the model's ``load_weights`` and vLLM's parameter loaders fill
+    them unchanged (TP shards, fused shards). After loading the weight is re-grouped to MXFP8
+    (:func:`~.mxfp8.regroup`) and the layer becomes exactly what :class:`Mxfp8LinearMethod` holds and runs.
+    """
+
+    def __init__(self, block_size: tuple[int, int]) -> None:
+        self.block_size = tuple(int(b) for b in block_size)
+
+    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        if input_size_per_partition % GROUP:
+            raise ValueError(f"{layer.prefix}: MXFP8 needs the per-rank reduction size "
+                             f"({input_size_per_partition}) to be a multiple of {GROUP}")
+        # The TP split must fall on block edges, or a rank's rows would need another rank's scales.
+        _vllm.validate_fp8_block_shape(layer, input_size, output_size, input_size_per_partition,
+                                       output_partition_sizes, list(self.block_size))
+        bn, bk = self.block_size
+        if any(size % bn for size in output_partition_sizes[:-1]):
+            # Only the last fused part may end in a partial block (q_a | kv_a: 1536 | 576). Then row r of the
+            # fused weight has its scale in row r // bn, as in one checkpoint tensor; a partial block inside
+            # would make vLLM's loaders start the next part's scales at a rounded-up row.
+            raise ValueError(f"{layer.prefix}: fused parts {output_partition_sizes} are not whole {bn}-row blocks")
+        layer.weight_block_size = list(self.block_size)  # vLLM's fused loaders read it for the scale offsets
+        loader = extra_weight_attrs["weight_loader"]
+        n = sum(output_partition_sizes)
+        layer.register_parameter("weight", _vllm.ModelWeightParameter(
+            data=torch.empty(n, input_size_per_partition, dtype=torch.float8_e4m3fn),
+            input_dim=1, output_dim=0, weight_loader=loader))
+        scale = _vllm.BlockQuantScaleParameter(
+            data=torch.full((math.ceil(n / bn), math.ceil(input_size_per_partition / bk)), UNLOADED_SCALE,
+                            dtype=torch.float32),
+            input_dim=1, output_dim=0, weight_loader=loader)
+        layer.register_parameter("weight_scale_inv", scale)
+
+    def process_weights_after_loading(self, layer) -> None:
+        scale_inv = layer.weight_scale_inv.data
+        if bool((scale_inv == UNLOADED_SCALE).any()):
+            raise ValueError(
+                f"{layer.prefix}: the checkpoint gave this layer no (or not every) weight_scale_inv, so it is not "
+                "block-FP8 there; list it in quantization_config.modules_to_not_convert")
+        weight, scale = regroup(layer.weight.data, scale_inv, self.block_size)
+        del layer.weight_scale_inv
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+        super().process_weights_after_loading(layer)
 
 
 @_vllm.register_weight_loader_v2_supported_method

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-SOURCES = ("registration.cpp", "kda.cpp", "indexer.cpp", "sparse_mla.cpp")
+SOURCES = ("registration.cpp", "kda.cpp", "indexer.cpp", "sparse_mla.cpp", "mhc.cpp", "moe.cpp")
 HEADERS = ("vec.h", "common.h")
 
 # What vec.h needs for its AVX-512 path; without all of them it compiles the portable path.

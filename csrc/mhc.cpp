@@ -1,0 +1,244 @@
+// mHC (manifold-constrained hyper-connections) on CPU: the small per-token pieces around the coefficient GEMM.
+// Same maths as vllm_glm53/backends/cpu/mhc.py (its *_torch forms are the reference), n = hc_mult streams:
+//
+//   mhc_rms_norm      xn   = x * rsqrt(mean(x^2) + norm_eps)      x = the token's n*D stream values, flattened
+//   (torch matmul)    m    = xn @ fn^T                            [(2+n)n]: a real GEMM, left to torch
+//   mhc_coefficients  pre  = sigmoid(s_pre m[:n] + b) + eps ;  post = 2 sigmoid(s_post m[n:2n] + b)
+//                     comb = Sinkhorn(softmax_j(s_comb M + B) + eps),  M[i, j] = m[2n + i n + j]
+//   mhc_collapse      u    = sum_i pre_i X_i
+//   mhc_expand        X'_j = post_j y + sum_i comb[i, j] X_i
+//
+// In the torch form the coefficients alone are some 150 tiny ops per block (the 20-iteration Sinkhorn loop is
+// over 100 of them) whose dispatch, not arithmetic, is the cost: here one pass per token. The coefficient maths follows the torch
+// form's order of operations step by step (each Sinkhorn sum runs in index order, every normalisation is a true
+// division, as torch's are), so the two agree to float32 rounding: the exp inside the sigmoid and the softmax
+// and the RMS norm's sum of squares are the only differently rounded steps (a few ulp). Tokens are independent
+// and split over threads.
+
+#include "common.h"
+
+namespace glm53 {
+namespace {
+
+constexpr int64_t kMaxStreams = 16;
+// Stream values per thread below which splitting tokens over threads costs more than it saves.
+constexpr int64_t kValuesPerTask = 1 << 15;
+
+int64_t token_grain(int64_t values_per_token) { return std::max<int64_t>(1, kValuesPerTask / values_per_token); }
+
+at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+at::Tensor float_contiguous(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+void check_streams(const at::Tensor& X, const char* what) {
+  TORCH_CHECK(X.dim() == 3, what, ": streams must be [T, n, D], got ", X.sizes());
+  TORCH_CHECK(X.size(1) <= kMaxStreams, what, ": at most ", kMaxStreams, " streams, got ", X.size(1));
+}
+
+// The per-token steps are written for a runtime stream count ``n``; instantiated with a fixed ``N`` (the
+// model's 4) the loops unroll into short vector instructions, about 1.5x faster. N = 0 means "use n".
+
+// Divides every column of the n x n row-major ``c`` by (its sum + eps); the sums run down the rows in order.
+template <int64_t N>
+void normalise_columns(float* c, int64_t n_, float eps) {
+  const int64_t n = N > 0 ? N : n_;
+  float sums[kMaxStreams];
+  for (int64_t j = 0; j < n; ++j) sums[j] = c[j];
+  for (int64_t i = 1; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) sums[j] += c[i * n + j];
+  for (int64_t j = 0; j < n; ++j) sums[j] += eps;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) c[i * n + j] /= sums[j];
+}
+
+template <int64_t N>
+void normalise_rows(float* c, int64_t n_, float eps) {
+  const int64_t n = N > 0 ? N : n_;
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = c + i * n;
+    float s = row[0];
+    for (int64_t j = 1; j < n; ++j) s += row[j];
+    s += eps;
+    for (int64_t j = 0; j < n; ++j) row[j] /= s;
+  }
+}
+
+inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+
+// One token: m [(2+n)n] -> pre [n], post [n], comb [n, n].
+template <int64_t N>
+void token_coefficients(const float* m, const float* base, const float scale[3], int64_t n_, float eps,
+                        int64_t iters, float* pre, float* post, float* comb) {
+  const int64_t n = N > 0 ? N : n_;
+  for (int64_t i = 0; i < n; ++i) {
+    const float zp = m[i] * scale[0] + base[i];
+    const float zq = m[n + i] * scale[1] + base[n + i];
+    pre[i] = sigmoid(zp) + eps;
+    post[i] = 2.0f * sigmoid(zq);
+  }
+  const float* mc = m + 2 * n;
+  const float* bc = base + 2 * n;
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = comb + i * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] = mc[i * n + j] * scale[2] + bc[i * n + j];
+      mx = std::max(mx, row[j]);
+    }
+    float s = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      s += row[j];
+    }
+    const float inv = 1.0f / s;  // torch's softmax scales by the reciprocal of the sum
+    for (int64_t j = 0; j < n; ++j) row[j] = row[j] * inv + eps;
+  }
+  normalise_columns<N>(comb, n, eps);
+  for (int64_t it = 1; it < iters; ++it) {
+    normalise_rows<N>(comb, n, eps);
+    normalise_columns<N>(comb, n, eps);
+  }
+}
+
+}  // namespace
+
+// X [T, n, D] (float32 / bf16 / fp16; any token and stream strides, rows contiguous) -> [T, n*D] float32: each
+// token's flattened streams times rsqrt(mean of their squares + eps), the input of the coefficient GEMM.
+at::Tensor mhc_rms_norm(const at::Tensor& X_, double eps_) {
+  check_streams(X_, "mhc_rms_norm");
+  at::Tensor X = last_dim_contiguous(X_);
+  const int64_t T = X.size(0), n = X.size(1), D = X.size(2);
+  at::Tensor out = at::empty({T, n * D}, X.options().dtype(at::kFloat));
+  const float eps = static_cast<float>(eps_);
+  GLM53_DISPATCH_FLOAT_TYPES(X.scalar_type(), "mhc_rms_norm", [&] {
+    const scalar_t* xp = X.data_ptr<scalar_t>();
+    float* op = out.data_ptr<float>();
+    const int64_t ts = X.stride(0), ss = X.stride(1);
+    at::parallel_for(0, T, token_grain(n * D), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const scalar_t* xt = xp + t * ts;
+        float* ot = op + t * n * D;
+        F16 acc0 = zero(), acc1 = zero();
+        for (int64_t i = 0; i < n; ++i) {
+          const scalar_t* xi = xt + i * ss;
+          int64_t d = 0;
+          for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+            F16 a = load(xi + d, kLanes), b = load(xi + d + kLanes, kLanes);
+            acc0 = fma(a, a, acc0);
+            acc1 = fma(b, b, acc1);
+          }
+          for (; d < D; d += kLanes) {
+            const int w = static_cast<int>(std::min<int64_t>(kLanes, D - d));
+            F16 a = load(xi + d, w);
+            acc0 = fma(a, a, acc0);
+          }
+        }
+        const float mean = reduce_add(acc0 + acc1) / static_cast<float>(n * D);
+        const F16 r = set1(1.0f / std::sqrt(mean + eps));
+        for (int64_t i = 0; i < n; ++i) {
+          const scalar_t* xi = xt + i * ss;
+          for (int64_t d = 0; d < D; d += kLanes) {
+            const int w = static_cast<int>(std::min<int64_t>(kLanes, D - d));
+            store(ot + i * D + d, load(xi + d, w) * r, w);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// m [T, (2+n)n] (the GEMM output), base [(2+n)n], scale [3] -> float32 pre [T, n], post [T, n], comb [T, n, n].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mhc_coefficients(const at::Tensor& m_, const at::Tensor& base_,
+                                                                const at::Tensor& scale_, int64_t n, double eps_,
+                                                                int64_t sinkhorn_iters) {
+  TORCH_CHECK(n >= 1 && n <= kMaxStreams, "mhc_coefficients: n must be in [1, ", kMaxStreams, "], got ", n);
+  TORCH_CHECK(sinkhorn_iters >= 1, "mhc_coefficients: need at least one Sinkhorn iteration");
+  const int64_t width = (2 + n) * n;
+  TORCH_CHECK(m_.dim() == 2 && m_.size(1) == width, "mhc_coefficients: m must be [T, ", width, "], got ", m_.sizes());
+  at::Tensor m = float_contiguous(m_), base = float_contiguous(base_), scale_t = float_contiguous(scale_);
+  TORCH_CHECK(base.numel() == width && scale_t.numel() == 3, "mhc_coefficients: base must have ", width,
+              " values and scale 3");
+  const int64_t T = m.size(0);
+  at::Tensor pre = at::empty({T, n}, m.options()), post = at::empty({T, n}, m.options()),
+             comb = at::empty({T, n, n}, m.options());
+  const float eps = static_cast<float>(eps_);
+  const float* sp = scale_t.data_ptr<float>();
+  const float scale[3] = {sp[0], sp[1], sp[2]};
+  const float *mp = m.data_ptr<float>(), *bp = base.data_ptr<float>();
+  float *prep = pre.data_ptr<float>(), *postp = post.data_ptr<float>(), *combp = comb.data_ptr<float>();
+  // The Sinkhorn rounds are one dependent chain of sums and divisions, ~0.4 us per token for n = 4.
+  at::parallel_for(0, T, 32, [&](int64_t t0, int64_t t1) {
+    const auto token = n == 4 ? &token_coefficients<4> : &token_coefficients<0>;
+    for (int64_t t = t0; t < t1; ++t)
+      token(mp + t * width, bp, scale, n, eps, sinkhorn_iters, prep + t * n, postp + t * n, combp + t * n * n);
+  });
+  return {pre, post, comb};
+}
+
+// u = sum_i pre_i X_i: X [T, n, D] (float32 / bf16 / fp16), pre [T, n] -> [T, D] in X's dtype, float32 sums.
+at::Tensor mhc_collapse(const at::Tensor& X_, const at::Tensor& pre_) {
+  check_streams(X_, "mhc_collapse");
+  at::Tensor X = last_dim_contiguous(X_), pre = float_contiguous(pre_);
+  const int64_t T = X.size(0), n = X.size(1), D = X.size(2);
+  TORCH_CHECK(pre.dim() == 2 && pre.size(0) == T && pre.size(1) == n, "mhc_collapse: pre must be [T, n]");
+  at::Tensor out = at::empty({T, D}, X.options());
+  GLM53_DISPATCH_FLOAT_TYPES(X.scalar_type(), "mhc_collapse", [&] {
+    const scalar_t* xp = X.data_ptr<scalar_t>();
+    const float* pp = pre.data_ptr<float>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t ts = X.stride(0), ss = X.stride(1);
+    at::parallel_for(0, T, token_grain(n * D), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const scalar_t* xt = xp + t * ts;
+        for (int64_t d = 0; d < D; d += kLanes) {
+          const int w = static_cast<int>(std::min<int64_t>(kLanes, D - d));
+          F16 acc = zero();
+          for (int64_t i = 0; i < n; ++i) acc = acc + set1(pp[t * n + i]) * load(xt + i * ss + d, w);
+          store(op + t * D + d, acc, w);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// X'_j = post_j y + sum_i comb[i, j] X_i: X [T, n, D], y [T, D] (X's dtype), post [T, n], comb [T, n, n]
+// -> [T, n, D] in X's dtype, float32 maths.
+at::Tensor mhc_expand(const at::Tensor& X_, const at::Tensor& y_, const at::Tensor& post_, const at::Tensor& comb_) {
+  check_streams(X_, "mhc_expand");
+  at::Tensor X = last_dim_contiguous(X_), y = last_dim_contiguous(y_);
+  at::Tensor post = float_contiguous(post_), comb = float_contiguous(comb_);
+  const int64_t T = X.size(0), n = X.size(1), D = X.size(2);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == T && y.size(1) == D, "mhc_expand: y must be [T, D]");
+  TORCH_CHECK(y.scalar_type() == X.scalar_type(), "mhc_expand: y must have the streams' dtype");
+  TORCH_CHECK(post.numel() == T * n && comb.numel() == T * n * n, "mhc_expand: post [T, n], comb [T, n, n]");
+  at::Tensor out = at::empty({T, n, D}, X.options());
+  GLM53_DISPATCH_FLOAT_TYPES(X.scalar_type(), "mhc_expand", [&] {
+    const scalar_t* xp = X.data_ptr<scalar_t>();
+    const scalar_t* yp = y.data_ptr<scalar_t>();
+    const float *pp = post.data_ptr<float>(), *cp = comb.data_ptr<float>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t ts = X.stride(0), ss = X.stride(1), ys = y.stride(0);
+    at::parallel_for(0, T, token_grain(2 * n * D), [&](int64_t t0, int64_t t1) {
+      F16 xs[kMaxStreams];
+      for (int64_t t = t0; t < t1; ++t) {
+        const scalar_t* xt = xp + t * ts;
+        const float* c = cp + t * n * n;
+        for (int64_t d = 0; d < D; d += kLanes) {
+          const int w = static_cast<int>(std::min<int64_t>(kLanes, D - d));
+          for (int64_t i = 0; i < n; ++i) xs[i] = load(xt + i * ss + d, w);
+          const F16 yv = load(yp + t * ys + d, w);
+          for (int64_t j = 0; j < n; ++j) {
+            F16 mixed = set1(c[j]) * xs[0];
+            for (int64_t i = 1; i < n; ++i) mixed = fma(set1(c[i * n + j]), xs[i], mixed);
+            store(op + (t * n + j) * D + d, set1(pp[t * n + j]) * yv + mixed, w);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace glm53

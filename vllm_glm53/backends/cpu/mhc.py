@@ -1,0 +1,112 @@
+"""mHC (manifold-constrained hyper-connections) for the CPU — architecture.md section 3; the maths is explained in
+:mod:`vllm_glm53.model.mhc`.
+
+Everything except the coefficient GEMM runs as compiled kernels (csrc/mhc.cpp) when those are built
+(:mod:`vllm_glm53.backends.cpu.kernels`): the RMS normalisation of the flattened streams, the sigmoid / softmax /
+Sinkhorn steps per token, the collapse and the expand. In plain torch the coefficients alone are some 150 tiny
+ops per block, two blocks per decoder layer per step, and their dispatch cost weighs on a small-batch decode.
+The GEMM with ``fn`` stays a torch matmul in both paths. The plain forms are kept under ``*_torch`` names, the
+reference the kernels are tested against; the kernels follow their order of operations, so both agree to
+float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_glm53.backends.cpu import kernels
+
+__all__ = ["mhc_coefficients", "mhc_collapse", "mhc_expand"]
+
+
+def mhc_coefficients(
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_mult: int,
+    eps: float,
+    sinkhorn_iters: int,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Coefficients of one mHC block.
+
+    X: ``[T, n, D]``; fn: ``[(2+n)n, nD]`` (rows: n "pre", n "post", n*n "comb" row-major); base: ``[(2+n)n]``;
+    scale: ``[3]`` = (s_pre, s_post, s_comb); eps = ``hc_eps``; norm_eps = ``rms_norm_eps`` of the unweighted
+    RMS norm over all n*D values.
+    Returns float32 ``pre [T, n]``, ``post [T, n]`` in (0, 2) and ``comb [T, n, n]`` (Sinkhorn-normalised,
+    columns sum to 1; ``comb[i, j]`` weighs input stream i into output stream j).
+    """
+    ops = kernels.for_tensors(X, fn, base, scale)
+    if ops is None:
+        return mhc_coefficients_torch(X, fn, base, scale, hc_mult, eps, sinkhorn_iters, norm_eps)
+    m = ops.mhc_rms_norm(X, norm_eps) @ fn.to(torch.float32).t()  # the GEMM stays a torch matmul
+    return ops.mhc_coefficients(m, base, scale, hc_mult, eps, sinkhorn_iters)
+
+
+def mhc_coefficients_torch(
+    X: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    hc_mult: int,
+    eps: float,
+    sinkhorn_iters: int,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`mhc_coefficients` in plain torch (any device)."""
+    m = mhc_rms_norm_torch(X, norm_eps) @ fn.to(torch.float32).t()  # [T, (2+n)n]
+    return mhc_coefficients_from_mix_torch(m, base, scale, hc_mult, eps, sinkhorn_iters)
+
+
+def mhc_rms_norm_torch(X: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``[T, n, D] -> [T, nD]`` float32: each token's flattened streams over their RMS (no weight)."""
+    x = X.reshape(X.shape[0], -1).to(torch.float32)
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+
+
+def mhc_coefficients_from_mix_torch(
+    m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_mult: int, eps: float, sinkhorn_iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pre, post, comb from the GEMM output ``m [T, (2+n)n]`` (float32)."""
+    n = hc_mult
+    base = base.to(torch.float32)
+    s_pre, s_post, s_comb = scale.to(torch.float32).unbind(0)
+    pre = torch.sigmoid(m[:, :n] * s_pre + base[:n]) + eps
+    post = 2.0 * torch.sigmoid(m[:, n : 2 * n] * s_post + base[n : 2 * n])
+    comb_logits = m[:, 2 * n :].view(-1, n, n) * s_comb + base[2 * n :].view(n, n)
+    comb = torch.softmax(comb_logits, dim=-1) + eps
+    # Sinkhorn: column, then (sinkhorn_iters - 1) x (row, column); ends column-normalised.
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def mhc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``u = sum_i pre_i X_i``: ``[T, n, D] -> [T, D]``, float32 accumulation, returned in ``X.dtype``."""
+    ops = kernels.for_tensors(X, pre)
+    if ops is None:
+        return mhc_collapse_torch(X, pre)
+    return ops.mhc_collapse(X, pre)
+
+
+def mhc_collapse_torch(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """:func:`mhc_collapse` in plain torch (any device)."""
+    return (pre.to(torch.float32).unsqueeze(-1) * X.to(torch.float32)).sum(dim=1).to(X.dtype)
+
+
+def mhc_expand(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``X'_j = post_j y + sum_i comb[i, j] X_i`` (``X' = post (x) y + comb^T X``): ``[T, n, D]``, float32 maths,
+    returned in ``X.dtype``."""
+    ops = kernels.for_tensors(X, y, post, comb)
+    if ops is None or y.dtype != X.dtype:  # the kernel reads y in the streams' dtype
+        return mhc_expand_torch(X, y, post, comb)
+    return ops.mhc_expand(X, y, post, comb)
+
+
+def mhc_expand_torch(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """:func:`mhc_expand` in plain torch (any device)."""
+    mixed = torch.matmul(comb.to(torch.float32).transpose(-1, -2), X.to(torch.float32))
+    return (post.to(torch.float32).unsqueeze(-1) * y.to(torch.float32).unsqueeze(1) + mixed).to(X.dtype)

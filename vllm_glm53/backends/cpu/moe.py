@@ -1,0 +1,79 @@
+"""Routed experts of an MoE block (unquantized weights) for the CPU — architecture.md sections 4 and 8.
+
+:func:`routed_experts` runs the compiled kernel (csrc/moe.cpp) for decode-sized batches when the kernels are built
+(:mod:`vllm_glm53.backends.cpu.kernels`): with a few tokens per expert the work is bound by reading each used
+expert's weights once, and the per-expert torch loop pays, per expert, a gather, two small GEMMs (each an
+OpenMP fork/join), the activation and a scatter-add on top of that. With many tokens per expert the work is
+compute-bound and torch's GEMMs are as fast (float32) or faster (bfloat16), so larger batches keep the torch loop.
+:func:`routed_experts_torch` is that loop, the reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_glm53.backends.cpu import kernels
+
+__all__ = ["routed_experts"]
+
+# Mean (token, choice) pairs per expert up to which the kernel is used, by weight dtype. Measured on 2 threads
+# (E = 8, D = 512, I = 256, k = 2, cold weights): in float32 the kernel runs at about the FMA rate of torch's
+# GEMMs and is ahead up to ~256 pairs per expert (float16, which torch computes slowly on CPUs, further); torch's
+# bfloat16 GEMMs use the CPU's bf16 dot products and overtake it from ~32.
+KERNEL_MAX_PAIRS_PER_EXPERT = {torch.float32: 128, torch.float16: 128, torch.bfloat16: 16}
+
+
+def routed_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """Sum over each token's k chosen experts of ``weight * W2_e clamped_swiglu(W13_e x)``.
+
+    x: ``[T, D]``; w13: ``[E, 2I, D]`` (rows: I gate, then I up); w2: ``[E, D, I]``; ids: ``[T, k]`` expert ids;
+    weights: ``[T, k]`` float32 routing weights. Returns ``[T, D]`` float32.
+    """
+    ops = kernels.for_tensors(x, w13, w2, weights)
+    if ops is None or w13.dtype != w2.dtype or ids.numel() > KERNEL_MAX_PAIRS_PER_EXPERT[w13.dtype] * w13.shape[0]:
+        return routed_experts_torch(x, w13, w2, ids, weights, swiglu_limit)
+    return ops.moe_experts(x, w13, w2, ids, weights, float(swiglu_limit))
+
+
+def routed_experts_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """:func:`routed_experts` in plain torch (any device): one GEMM pair per expert that received tokens."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    # The (token, choice) pairs sorted by expert; ``order`` indexes the flattened [T, k] routing weights.
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // ids.shape[1]
+    counts = torch.bincount(flat, minlength=w13.shape[0])
+    start = 0
+    for expert, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]
+        tokens = token_of[start : start + n]
+        start += n
+        h = clamped_swiglu(F.linear(x[tokens], w13[expert]), swiglu_limit)
+        y = F.linear(h, w2[expert])
+        out.index_add_(0, tokens, y.to(torch.float32) * weights.reshape(-1)[pairs, None])
+    return out
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(g, L)) * clamp(u, -L, L)`` for ``gate_up [..., 2I]`` = [gate | up], in the input dtype: the
+    model's activation (:func:`vllm_glm53.model.moe_routing.clamped_swiglu`), restated here because the backends
+    import without the model package (which imports vLLM)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
