@@ -1,11 +1,12 @@
 """End to end: the plugin on vLLM's CPU engine vs transformers ``generate``, same checkpoint, same machine.
 
-    .venv/bin/python benchmarks/bench_e2e.py [--model DIR] [--batches 1 16 64] [--prompt-len 128] [--repeat 3]
+    .venv/bin/python benchmarks/bench_e2e.py [--model DIR] [--batches 1 16 64] [--prompt-len 128 1024] [--repeat 3]
     .venv/bin/python benchmarks/bench_e2e.py --bind-sweep   # the plugin alone under each thread binding
 
 The checkpoint (built unless ``--model`` is given) is the tiny one with the real per-head geometry
 (``vllm_glm53.tiny.kernel_friendly_overrides()``: KDA heads of 128, latent 512, q/k/v heads of 256, indexer
-heads of 128, index_topk 64 in pools of 4), float32 on both sides, greedy. Measured, each the median of ``--repeat`` runs:
+heads of 128, index_topk 64 in pools of 4), float32 on both sides, greedy. Measured at each prompt length
+(batches whose prompts exceed ``--max-batch-tokens`` in all are skipped), each the median of ``--repeat`` runs:
 
 * decode tokens/s at each batch size: B equal-length prompts generate N1 and then N2 tokens (EOS ignored); the
   difference of the two wall times covers exactly B x (N2 - N1) decode tokens, without prefill or start-up;
@@ -13,8 +14,9 @@ heads of 128, index_topk 64 in pools of 4), float32 on both sides, greedy. Measu
   that is at most 16);
 * time to first token: one prompt, one new token, wall time of the call.
 
-vLLM runs in a child process (its engine spawns its own processes and binds their threads; see
-``VLLM_CPU_OMP_THREADS_BIND`` in benchmarks/README.md), transformers in this one with ``torch.set_num_threads``
+vLLM runs in a child process (its engine spawns its own processes and binds their threads: by default as the
+CPU recipe does, each rank its own share of the cores; ``VLLM_CPU_OMP_THREADS_BIND`` overrides, see
+benchmarks/README.md), transformers in this one with ``torch.set_num_threads``
 = the CPU count. ``VLLM_GLM53_CPU_KERNELS=0`` runs the plugin on its plain-torch backends instead of the
 compiled kernels. ``--bind-sweep`` runs only the plugin, once per ``VLLM_CPU_OMP_THREADS_BIND`` setting
 (TP=1: nobind, auto, all CPUs, one CPU; TP=2: one half per rank, nobind, auto) and prints one table.
@@ -58,8 +60,7 @@ def median_of(repeat: int, fn) -> float:
 
 
 def measure(generate, batches: list[int], plist: list[list[int]], n1: int, n2: int, repeat: int) -> dict:
-    """``generate(prompts, max_tokens) -> seconds`` for one engine; returns the three metrics."""
-    generate(plist[:2], 2)  # warm-up: first-call initialisation on both sides
+    """``generate(prompts, max_tokens) -> seconds`` for one engine and one prompt length; the three metrics."""
     out: dict = {"decode": {}}
     for B in batches:
         batch = plist[:B]
@@ -67,7 +68,8 @@ def measure(generate, batches: list[int], plist: list[list[int]], n1: int, n2: i
         t2 = median_of(repeat, lambda: generate(batch, n2))
         # Noise larger than the extra decode steps (an oversubscribed run) leaves no measurement: NaN.
         out["decode"][str(B)] = B * (n2 - n1) / (t2 - t1) if t2 > t1 else float("nan")
-        print(f"  batch {B}: {n1} tokens {t1:.2f} s, {n2} tokens {t2:.2f} s", file=sys.stderr, flush=True)
+        print(f"  {len(plist[0])}-token prompts, batch {B}: {n1} tokens {t1:.2f} s, {n2} tokens {t2:.2f} s",
+              file=sys.stderr, flush=True)
     pb = max(b for b in batches if b <= 16)
     out["prefill_batch"] = pb
     out["prefill"] = pb * len(plist[0]) / median_of(repeat, lambda: generate(plist[:pb], 1))
@@ -75,10 +77,20 @@ def measure(generate, batches: list[int], plist: list[list[int]], n1: int, n2: i
     return out
 
 
-def run_vllm(args, plist) -> dict:
+def batches_for(args, length: int) -> list[int]:
+    """The batch sizes measured at one prompt length: those within ``--max-batch-tokens`` (always batch 1)."""
+    return [B for B in args.batches if B == 1 or B * length <= args.max_batch_tokens]
+
+
+def measure_all(generate, args, plists: dict[int, list[list[int]]], n2: int, repeat: int) -> dict:
+    generate(plists[min(plists)][:2], 2)  # warm-up: first-call initialisation on both sides
+    return {str(n): measure(generate, batches_for(args, n), plist, args.n1, n2, repeat) for n, plist in plists.items()}
+
+
+def run_vllm(args, plists) -> dict:
     from vllm import LLM, SamplingParams
 
-    longest = len(plist[0]) + args.n2
+    longest = max(plists) + args.n2
     llm = LLM(model=str(args.model), dtype="float32", enforce_eager=True, enable_prefix_caching=False,
               tensor_parallel_size=args.tp, max_model_len=max(512, longest), max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(2048, 16 * longest), limit_mm_per_prompt={"image": 0, "video": 0})
@@ -89,13 +101,13 @@ def run_vllm(args, plist) -> dict:
         llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         return time.perf_counter() - t0
 
-    result = measure(generate, args.batches, plist, args.n1, args.n2, args.repeat)
+    result = measure_all(generate, args, plists, args.n2, args.repeat)
     del llm, generate  # let the engine shut its processes down before this one exits
     gc.collect()
     return result
 
 
-def run_transformers(args, plist) -> dict:
+def run_transformers(args, plists) -> dict:
     import torch
     from transformers import Glm5NextForConditionalGeneration
 
@@ -110,14 +122,15 @@ def run_transformers(args, plist) -> dict:
                            min_new_tokens=max_tokens, do_sample=False)
         return time.perf_counter() - t0
 
-    return measure(generate, args.batches, plist, args.n1, args.hf_n2, args.hf_repeat)
+    return measure_all(generate, args, plists, args.hf_n2, args.hf_repeat)
 
 
 def engine_child(args, tp: int, bind: str | None) -> dict:
     """The vLLM measurement in a fresh process, under thread binding ``bind`` (None: vLLM's default)."""
     cmd = [sys.executable, __file__, "--engine-only", "--model", str(args.model), "--batches",
-           *map(str, args.batches), "--prompt-len", str(args.prompt_len), "--n1", str(args.n1), "--n2",
-           str(args.n2), "--repeat", str(args.repeat), "--tp", str(tp)]
+           *map(str, args.batches), "--prompt-len", *map(str, args.prompt_len), "--max-batch-tokens",
+           str(args.max_batch_tokens), "--n1", str(args.n1), "--n2", str(args.n2), "--repeat", str(args.repeat),
+           "--tp", str(tp)]
     env = dict(os.environ)
     if bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
@@ -143,23 +156,35 @@ def bind_sweep(args) -> None:
             reason = next((line for line in str(exc).splitlines() if "Error: " in line), "Error: see its log")
             print(f"| {tp} | `{bind}` | does not start: {reason.split('Error: ', 1)[1][:120]} |", flush=True)
             continue
-        cells = [f"{r['decode'][str(B)]:,.0f}" for B in args.batches]
+        r = r[str(args.prompt_len[0])]
+        cells = [f"{r['decode'][str(B)]:,.0f}" if str(B) in r["decode"] else "—" for B in args.batches]
         print(f"| {tp} | `{bind}` | " + " | ".join(cells) + f" | {r['prefill']:,.0f} | {r['ttft'] * 1e3:,.0f} |",
               flush=True)
 
 
 def table(ours: dict, ref: dict, args) -> str:
-    def row(name, a, b, unit, higher_better=True):
-        ratio = a / b if higher_better else b / a
-        return f"| {name} | {a:,.1f} {unit} | {b:,.1f} {unit} | {ratio:.1f}x |"
+    """One row per metric, per prompt length: plugin, transformers, and the plugin's advantage."""
+    head, rule = ["metric"], ["---"]
+    for n in args.prompt_len:
+        head += [f"{n}-token prompts: plugin", "transformers", "ratio"]
+        rule += ["---:"] * 3
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(rule) + " |"]
 
-    lines = ["| metric | plugin on vLLM | transformers generate | plugin advantage |", "| --- | --- | --- | --- |"]
+    def row(name: str, get, unit: str, higher_better: bool = True) -> str:
+        cells = [name]
+        for n in args.prompt_len:
+            a, b = get(ours[str(n)]), get(ref[str(n)])
+            if a is None or b is None:
+                cells += ["", "", ""]
+                continue
+            ratio = a / b if higher_better else b / a
+            cells += [f"{a:,.0f} {unit}", f"{b:,.0f} {unit}", f"{ratio:.1f}x"]
+        return "| " + " | ".join(cells) + " |"
+
     for B in args.batches:
-        lines.append(row(f"decode, batch {B}", ours["decode"][str(B)], ref["decode"][str(B)], "tok/s"))
-    lines.append(row(f"prefill, {ours['prefill_batch']} x {args.prompt_len} tokens", ours["prefill"], ref["prefill"],
-                     "tok/s"))
-    lines.append(row(f"time to first token, {args.prompt_len}-token prompt", ours["ttft"] * 1e3, ref["ttft"] * 1e3,
-                     "ms", higher_better=False))
+        lines.append(row(f"decode, batch {B}", lambda r: r["decode"].get(str(B)), "tok/s"))
+    lines.append(row("prefill (batch of up to 16)", lambda r: r["prefill"], "tok/s"))
+    lines.append(row("time to first token (1 prompt)", lambda r: r["ttft"] * 1e3, "ms", higher_better=False))
     return "\n".join(lines)
 
 
@@ -167,7 +192,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="checkpoint (default: build the kernel-friendly tiny one)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--max-batch-tokens", type=int, default=16384,
+                        help="skip batches whose prompts exceed this many tokens in all (batch 1 always runs)")
     parser.add_argument("--n1", type=int, default=4, help="short generation (tokens)")
     parser.add_argument("--n2", type=int, default=36, help="long generation on vLLM (tokens)")
     parser.add_argument("--hf-n2", type=int, default=12, help="long generation on transformers (tokens)")
@@ -178,26 +205,29 @@ def main() -> None:
     parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    from vllm_glm53.recipes import cpu_bind
+
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             from vllm_glm53.tiny import build_checkpoint, kernel_friendly_overrides
 
             args.model = build_checkpoint(Path(tmp) / "kernel-friendly", overrides=kernel_friendly_overrides())
-        plist = prompts(args.model, max(args.batches), args.prompt_len)
+        plists = {n: prompts(args.model, max(batches_for(args, n)), n) for n in args.prompt_len}
         if args.engine_only:
-            print(json.dumps(run_vllm(args, plist)), flush=True)
+            print(json.dumps(run_vllm(args, plists)), flush=True)
             return
         if args.bind_sweep:
             return bind_sweep(args)
+        # The binding the CPU recipe uses (each rank its own share of the cores) unless the caller sets one.
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_bind(args.tp)
         try:
-            ours = engine_child(args, args.tp, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+            ours = engine_child(args, args.tp, bind)
         except RuntimeError as exc:
             sys.exit(f"vLLM run failed:\n{str(exc)[-6000:]}")
-        ref = run_transformers(args, plist)
+        ref = run_transformers(args, plists)
 
     from vllm_glm53.backends.cpu import kernels
 
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     print(f"# End to end, kernel-friendly tiny checkpoint, float32, {os.cpu_count()} CPUs, "
           f"VLLM_CPU_OMP_THREADS_BIND={bind}, plugin backends: {kernels.description()}\n")
     print(table(ours, ref, args))

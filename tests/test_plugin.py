@@ -68,3 +68,17 @@ def test_vllm_cli_runs_after_setup():
     out = subprocess.run([vllm_bin, "serve", "--help=ModelConfig"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--tokenizer-mode" in out.stdout
+
+
+def test_vllm_sizes_hybrid_pages_by_the_plugins_cache_row(tiny_ckpt):
+    """vLLM aligns the token block of a hybrid model to the KDA state page using ``ModelConfig.get_head_size()``;
+    for this model that must be the whole cache row ``[c_kv | indexer key | gate]`` (backends/latent_cache.py),
+    not ``kv_lora_rank`` alone, or every state page is padded to a block 1.5x too large."""
+    from vllm.config import ModelConfig
+
+    vllm_glm53.register()
+    ckpt = tiny_ckpt()
+    text = json.loads((ckpt / "config.json").read_text())["text_config"]
+    config = ModelConfig(model=str(ckpt))
+    assert config.use_mla
+    assert config.get_head_size() == text["kv_lora_rank"] + 2 * text["index_head_dim"]

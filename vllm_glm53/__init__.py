@@ -36,7 +36,16 @@ REASONING_PARSERS: dict[str, tuple[str, str]] = {
     "glm45": ("vllm_glm53.parsers.reasoning", "Glm47ReasoningParser"),
 }
 
+# Model types whose MLA cache rows vLLM must size by the plugin's row layout (see _vllm.register_cache_row_size).
+CACHE_ROW_MODEL_TYPES = ("glm5_next", "glm5_next_text")
+
 _registered: list[str] | None = None
+
+
+def _cache_row_size(hf_text_config) -> int:
+    from vllm_glm53.config import text_arch
+
+    return text_arch(hf_text_config).cache_row_size
 
 
 def register() -> list[str]:
@@ -57,6 +66,8 @@ def register() -> list[str]:
     for arch, target in MODELS.items():
         if _vllm.register_model(arch, *target):
             done.append(f"model {arch}")
+    if done and _vllm.register_cache_row_size(CACHE_ROW_MODEL_TYPES, _cache_row_size):
+        done.append("cache row size " + "/".join(CACHE_ROW_MODEL_TYPES))
     for mode, target in TOKENIZER_MODES.items():
         _vllm.register_tokenizer_mode(mode, *target)
         done.append(f"tokenizer-mode {mode}")

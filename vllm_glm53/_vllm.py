@@ -34,6 +34,36 @@ def register_model(arch: str, module: str, cls: str) -> bool:
     return True
 
 
+class _CacheRowConvertorMark:
+    """Marks the arch-config convertors this plugin installed (so a second ``register()`` recognises them)."""
+
+
+def register_cache_row_size(model_types: tuple[str, ...], row_size) -> bool:
+    """Tell vLLM how many values one cached token of this model's MLA layers holds (``row_size(hf_text_config)``).
+
+    vLLM sizes the token block of a hybrid model so that one attention page covers one KDA state page, and takes
+    the per-token size from ``ModelConfig.get_head_size()``: ``kv_lora_rank + qk_rope_head_dim`` for MLA models,
+    512 here. This model's cache row also holds the indexer key and its gate logits (768 values), so the block
+    came out 1.5x too large and every KDA state page was padded up to that larger token page. vLLM's hook for
+    model-specific sizes is a per-``model_type`` arch-config convertor; ours reports the real row. Returns
+    whether it was installed (not where the vLLM lacks the hook or another plugin already claimed the type).
+    """
+    try:
+        mod = importlib.import_module("vllm.transformers_utils.model_arch_config_convertor")
+        table, base = mod.MODEL_ARCH_CONFIG_CONVERTORS, mod.ModelArchConfigConvertorBase
+    except (ModuleNotFoundError, AttributeError):
+        return False  # older vLLM: state pages are padded more, nothing else changes
+
+    class Glm5NextArchConfigConvertor(base, _CacheRowConvertorMark):
+        def get_head_size(self) -> int:
+            return row_size(self.hf_text_config)
+
+    free = [t for t in model_types if t not in table or issubclass(table[t], _CacheRowConvertorMark)]
+    for model_type in free:
+        table[model_type] = Glm5NextArchConfigConvertor
+    return bool(free)
+
+
 def register_tokenizer_mode(mode: str, module: str, cls: str) -> None:
     registry = _first_module("vllm.tokenizers.registry", "vllm.transformers_utils.tokenizer_base")
     reg = getattr(registry, "TokenizerRegistry")

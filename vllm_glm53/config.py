@@ -115,6 +115,12 @@ class TextArch:
         return [i for i in range(self.num_layers) if not self.is_kda(i)]
 
     @property
+    def cache_row_size(self) -> int:
+        """Values per token in a sparse-MLA layer's cache row: the latent, then the indexer key and its pooling-gate
+        logits (vllm_glm53/backends/latent_cache.py)."""
+        return self.kv_lora_rank + 2 * self.index_head_dim
+
+    @property
     def index_select_width(self) -> int:
         """Width of one query's selected-token row: top-k tokens of whole pools plus the incomplete tail."""
         return self.index_topk + self.index_kpool - 1

@@ -29,11 +29,6 @@ from vllm_glm53.model.norm import RMSNorm
 from vllm_glm53.quant.plan import layer_quant
 
 
-def latent_row_size(arch: TextArch) -> int:
-    """Values per cached token: latent + indexer key + pooling gate logits."""
-    return arch.kv_lora_rank + 2 * arch.index_head_dim
-
-
 class Glm5NextIndexer(nn.Module):
     """Projections of the lightning indexer. Replicated on every TP rank (it is small and its output, the
     selection, must be identical everywhere)."""
@@ -118,7 +113,7 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
         return _vllm.MLAAttentionSpec(
             block_size=vllm_config.cache_config.block_size,
             num_kv_heads=1,
-            head_size=latent_row_size(self.arch),
+            head_size=self.arch.cache_row_size,
             dtype=dtype,
             cache_dtype_str=cache_dtype,
         )
