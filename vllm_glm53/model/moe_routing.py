@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+# The activation lives with the expert ops (importable without vLLM, so the backends can use it too).
+from vllm_glm53.backends.cpu.moe import clamped_swiglu
 
 __all__ = ["route", "clamped_swiglu"]
 
@@ -39,10 +41,3 @@ def route(
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids
-
-
-def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(min(g, L)) * clamp(u, -L, L)`` for ``gate_up [..., 2I]`` = [gate | up]; returns ``[..., I]`` in the
-    input dtype. Only the gate's upper side is clamped (``swiglu_limit``)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)

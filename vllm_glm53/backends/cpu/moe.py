@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from vllm_glm53.backends.cpu import kernels
 
-__all__ = ["routed_experts"]
+__all__ = ["clamped_swiglu", "routed_experts"]
 
 # Mean (token, choice) pairs per expert up to which the kernel is used, by weight dtype. Measured on 2 threads
 # (E = 8, D = 512, I = 256, k = 2, cold weights): in float32 the kernel runs at about the FMA rate of torch's
@@ -72,8 +72,8 @@ def routed_experts_torch(
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(min(g, L)) * clamp(u, -L, L)`` for ``gate_up [..., 2I]`` = [gate | up], in the input dtype: the
-    model's activation (:func:`vllm_glm53.model.moe_routing.clamped_swiglu`), restated here because the backends
-    import without the model package (which imports vLLM)."""
+    """GLM-5.3's clamped SwiGLU (every MLP, expert and vision MLP): ``silu(min(g, L)) * clamp(u, -L, L)`` for
+    ``gate_up [..., 2I]`` = [gate | up]; returns ``[..., I]`` in the input dtype. Only the gate's upper side is
+    clamped (``swiglu_limit``)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
