@@ -39,8 +39,11 @@ def serve_command(checkpoint: Path, port: int, extra_args: tuple[str, ...] = ())
     """The CPU recipe (``recipes/cpu-tiny.yaml``) for a local checkpoint: ``vllm serve`` argv and environment."""
     from vllm_glm53.recipes import cpu_plan
 
+    # --shutdown-timeout: on SIGTERM vLLM's default (0) aborts the engine core under the API server, whose output
+    # handler then logs an EngineDeadError traceback; a drain window lets the engine stop in order.
     launch = cpu_plan(checkpoint, port=port,
-                      extra_args=("--served-model-name", SERVED_NAME, *extra_args)).serve_launches()[0]
+                      extra_args=("--served-model-name", SERVED_NAME, "--shutdown-timeout", "10",
+                                  *extra_args)).serve_launches()[0]
     argv = [str(Path(sys.executable).with_name("vllm")), *launch.argv[1:]]  # this environment's vllm command
     return argv, dict(launch.env)
 
