@@ -39,8 +39,9 @@ def serve_command(checkpoint: Path, port: int, extra_args: tuple[str, ...] = ())
     """The CPU recipe (``recipes/cpu-tiny.yaml``) for a local checkpoint: ``vllm serve`` argv and environment."""
     from vllm_glm53.recipes import cpu_plan
 
-    # --shutdown-timeout: on SIGTERM vLLM's default (0) aborts the engine core under the API server, whose output
-    # handler then logs an EngineDeadError traceback; a drain window lets the engine stop in order.
+    # --shutdown-timeout: on SIGTERM vLLM's default (0) aborts the engine core and force-kills its worker; a drain
+    # window lets them stop in order. (vLLM 0.32 may still log a spurious EngineDeadError traceback from its output
+    # handler during a normal shutdown: a race in AsyncLLM.shutdown, vllm-project/vllm#48745.)
     launch = cpu_plan(checkpoint, port=port,
                       extra_args=("--served-model-name", SERVED_NAME, "--shutdown-timeout", "10",
                                   *extra_args)).serve_launches()[0]
@@ -102,6 +103,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self._reader.join(timeout=10)  # the log's last lines, for callers that read them
         return self.proc.returncode
 
 
