@@ -23,21 +23,13 @@ import torch
 from torch import nn
 
 from vllm_glm53 import _vllm
+from vllm_glm53.backends.cpu.moe import clamped_swiglu, group_by_expert
 from vllm_glm53.quant import npu
 from vllm_glm53.quant.fp8 import BlockFp8Weight
 from vllm_glm53.quant.mxfp8 import GROUP
 from vllm_glm53.quant.w8a8 import W8A8_DYNAMIC, w8a8_matmul
 
 Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits -> (weights [T,k], ids [T,k])
-
-
-def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the (token, choice) pairs by expert: ``(order [T*k], token of each sorted pair [T*k], rows per
-    expert [E])``; ``order`` indexes the flattened ``[T, k]`` routing weights."""
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, order // ids.shape[1], counts
 
 
 def combine(x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
@@ -62,8 +54,6 @@ class _ShardedExperts(nn.Module):
         return slice(0, self.inter) if which == "gate_proj" else slice(self.inter, 2 * self.inter)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        from vllm_glm53.model.moe_routing import clamped_swiglu
-
         weights, ids = self.router(router_logits)
         order, tokens, counts = group_by_expert(ids, self.num_experts)
         group_list = counts.cumsum(0)
@@ -276,8 +266,6 @@ class BlockFp8Mxfp8MoEMethod(_vllm.FusedMoEMethodBase):
 
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
-        from vllm_glm53.model.moe_routing import clamped_swiglu
-
         if getattr(layer, "expert_map", None) is not None:
             raise NotImplementedError("MXFP8 experts serve tensor parallelism only, not expert parallelism")
         if layer.apply_router_weight_on_input or getattr(layer.activation, "value", layer.activation) != "silu":

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from vllm_glm53.backends.cpu import kernels
 
-__all__ = ["clamped_swiglu", "routed_experts"]
+__all__ = ["clamped_swiglu", "group_by_expert", "routed_experts"]
 
 # Mean (token, choice) pairs per expert up to which the kernel is used, by weight dtype. Measured on 2 threads
 # (E = 8, D = 512, I = 256, k = 2, cold weights): in float32 the kernel runs at about the FMA rate of torch's
@@ -53,11 +53,7 @@ def routed_experts_torch(
 ) -> torch.Tensor:
     """:func:`routed_experts` in plain torch (any device): one GEMM pair per expert that received tokens."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    # The (token, choice) pairs sorted by expert; ``order`` indexes the flattened [T, k] routing weights.
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token_of = order // ids.shape[1]
-    counts = torch.bincount(flat, minlength=w13.shape[0])
+    order, token_of, counts = group_by_expert(ids, w13.shape[0])
     start = 0
     for expert, n in enumerate(counts.tolist()):
         if n == 0:
@@ -69,6 +65,15 @@ def routed_experts_torch(
         y = F.linear(h, w2[expert])
         out.index_add_(0, tokens, y.to(torch.float32) * weights.reshape(-1)[pairs, None])
     return out
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the (token, choice) pairs by expert: ``(order [T*k], token of each sorted pair [T*k], rows per
+    expert [E])``; ``order`` indexes the flattened ``[T, k]`` routing weights."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, order // ids.shape[1], counts
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
