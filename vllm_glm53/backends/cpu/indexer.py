@@ -226,21 +226,45 @@ def select_batch_torch(
     always_select_tail: bool = True,
 ) -> torch.Tensor:
     """The plain-torch form of :func:`select_batch`: per request, gather its keys, compress, score, select."""
+    return select_per_request(kpool_compress_torch, index_scores_torch, select_tokens_torch, q, weights, rows,
+                              block_table, query_start_loc, seq_lens, ape, key_offset, topk, kp, always_select_tail)
+
+
+def select_per_request(
+    compress,
+    score,
+    select,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    rows: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: Sequence[int] | torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    ape: torch.Tensor,
+    key_offset: int,
+    topk: int,
+    kp: int,
+    always_select_tail: bool = True,
+) -> torch.Tensor:
+    """:func:`select_batch` one request at a time with a backend's per-sequence ops (``compress``, ``score``,
+    ``select``: the signatures of :func:`kpool_compress`, :func:`index_scores`, :func:`select_tokens`): gather
+    the keys of the request's complete pools from the pages, compress, score over transformers' row layout,
+    select. Outputs on ``q``'s device."""
     dI = q.shape[-1]
     starts, lens = as_index(query_start_loc).tolist(), as_index(seq_lens).tolist()
-    out = torch.full((q.shape[0], index_width(topk, kp, always_select_tail)), -1, dtype=torch.int64)
+    out = torch.full((q.shape[0], index_width(topk, kp, always_select_tail)), -1, dtype=torch.int64,
+                     device=q.device)
     for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
         if hi == lo:
             continue
         seq_len = lens[r]
-        positions = torch.arange(seq_len - (hi - lo), seq_len)
+        positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
         scores = None
         if not all_candidates_fit(seq_len - 1, topk, kp):
             n_pooled = seq_len // kp * kp
             keys = sequence_rows(rows, block_table[r], n_pooled)[:, key_offset : key_offset + 2 * dI]
-            pooled = kpool_compress_torch(keys[:, :dI], keys[:, dI:], ape)
-            scores = index_scores_torch(q[lo:hi], weights[lo:hi], pooled)
+            scores = score(q[lo:hi], weights[lo:hi], compress(keys[:, :dI], keys[:, dI:], ape))
             if seq_len % kp:  # transformers' row layout has a column for the incomplete pool (never chosen)
                 scores = torch.nn.functional.pad(scores, (0, 1))
-        out[lo:hi] = select_tokens_torch(scores, positions, topk, kp, always_select_tail)
+        out[lo:hi] = select(scores, positions, topk, kp, always_select_tail)
     return out

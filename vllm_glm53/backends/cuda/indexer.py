@@ -27,9 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-# The dense shortcut and the row width are plain index arithmetic, identical on every device.
-from vllm_glm53.backends.cpu.indexer import all_candidates_fit, dense_causal_indices, index_width
-from vllm_glm53.backends.cpu.paged import as_index, sequence_rows
+# The dense shortcut and the row width are plain index arithmetic, identical on every device; the per-request
+# batch loop is the CPU backend's, run with the Triton ops below.
+from vllm_glm53.backends.cpu.indexer import (
+    all_candidates_fit,
+    dense_causal_indices,
+    index_width,
+    select_per_request,
+)
 
 __all__ = [
     "kpool_compress",
@@ -257,21 +262,5 @@ def select_batch(
 
     Per request: its complete pools' keys are gathered from the pages (one copy of 2 x dI values per token),
     then compressed, scored and selected by the kernels above."""
-    dI = q.shape[-1]
-    starts, lens = as_index(query_start_loc).tolist(), as_index(seq_lens).tolist()
-    out = torch.full((q.shape[0], index_width(topk, kp, always_select_tail)), -1, dtype=torch.int64,
-                     device=q.device)
-    for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
-        if hi == lo:
-            continue
-        seq_len = lens[r]
-        positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-        scores = None
-        if not all_candidates_fit(seq_len - 1, topk, kp):
-            n_pooled = seq_len // kp * kp
-            keys = sequence_rows(rows, block_table[r], n_pooled)[:, key_offset : key_offset + 2 * dI]
-            scores = index_scores(q[lo:hi], weights[lo:hi], kpool_compress(keys[:, :dI], keys[:, dI:], ape))
-            if seq_len % kp:  # transformers' row layout has a column for the incomplete pool (never chosen)
-                scores = torch.nn.functional.pad(scores, (0, 1))
-        out[lo:hi] = select_tokens(scores, positions, topk, kp, always_select_tail)
-    return out
+    return select_per_request(kpool_compress, index_scores, select_tokens, q, weights, rows, block_table,
+                              query_start_loc, seq_lens, ape, key_offset, topk, kp, always_select_tail)
