@@ -1,0 +1,162 @@
+"""Speculative decoding with drafts that are partly right: 1 <= accepted < N as well as the extremes.
+
+Unit level: the KDA layer (``Glm5NextKDA.forward`` under vLLM's ``GDNAttentionMetadata``) verifying N drafts must
+leave, in the state slot of its i-th token, exactly the conv window and recurrent state that running those tokens
+one at a time leaves; and the next step, resuming from the slot of the last accepted token, must continue as if
+only the accepted tokens had ever been seen. Checked for every number of accepted drafts 0..N.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_glm53 import _vllm
+
+N_DRAFTS = 3
+PROMPT = 7
+PREFIX = "model.layers.0.self_attn"
+
+
+@pytest.fixture(scope="module")
+def kda_layer():
+    """One KDA layer of the tiny config with random weights (and random decay/bias vectors, so that no gate is
+    trivially one), built in a standalone TP=1 group."""
+    from transformers import Glm5NextConfig
+
+    from vllm_glm53.config import text_arch
+    from vllm_glm53.model.kda import Glm5NextKDA
+    from vllm_glm53.tiny import default_config
+
+    arch = text_arch(Glm5NextConfig(**default_config()))
+    gen = torch.Generator().manual_seed(0)
+    with _vllm.standalone_model_parallel() as ctx:
+        layer = Glm5NextKDA(arch, 0, torch.float32, prefix=PREFIX)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                scale = 0.5 if name in ("conv_weight", "A_log", "dt_bias") else p.shape[-1] ** -0.5
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+                if name == "o_norm.weight":
+                    p.add_(1.0)
+        _vllm.finish_loading(layer)
+        yield layer, arch, ctx
+
+
+def _meta(**fields):
+    """vLLM's own GDN metadata (the contract the layer reads), with the counts filled from the given tensors."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    spec_qsl = fields.get("spec_query_start_loc")
+    plain_qsl = fields.get("non_spec_query_start_loc")
+    num_spec = 0 if spec_qsl is None else len(spec_qsl) - 1
+    spec_tokens = 0 if spec_qsl is None else int(spec_qsl[-1])
+    plain_tokens = 0 if plain_qsl is None else int(plain_qsl[-1])
+    num_decodes = fields.pop("num_decodes", 0)
+    num_prefills = fields.pop("num_prefills", 0)
+    return GDNAttentionMetadata(
+        num_prefills=num_prefills, num_prefill_tokens=plain_tokens - num_decodes, num_decodes=num_decodes,
+        num_decode_tokens=num_decodes, num_spec_decodes=num_spec, num_spec_decode_tokens=spec_tokens,
+        num_actual_tokens=spec_tokens + plain_tokens, **fields)
+
+
+def _forward(layer, x, meta):
+    from vllm.config import get_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context({PREFIX: meta}, get_current_vllm_config()), torch.no_grad():
+        return layer(x)
+
+
+def _prefill(layer, x, slot):
+    meta = _meta(num_prefills=1, non_spec_query_start_loc=torch.tensor([0, x.shape[0]], dtype=torch.int32),
+                 non_spec_state_indices_tensor=torch.tensor([slot], dtype=torch.int32),
+                 has_initial_state=torch.tensor([False]))
+    return _forward(layer, x, meta)
+
+
+def _decode(layer, x, slot):
+    meta = _meta(num_decodes=1, non_spec_query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                 non_spec_state_indices_tensor=torch.tensor([slot], dtype=torch.int32),
+                 has_initial_state=torch.tensor([True]))
+    return _forward(layer, x, meta)
+
+
+def _verify(layer, x_plain, x_spec, plain_slot, spec_slots, accepted):
+    """One step of a batch of a plain decode (token 0) and a sequence verifying drafts (the remaining tokens),
+    laid out as vLLM's GDN builder lays them out: separate token index lists for spec and non-spec tokens."""
+    n = x_spec.shape[0]
+    meta = _meta(num_decodes=1, non_spec_query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                 non_spec_state_indices_tensor=torch.tensor([plain_slot], dtype=torch.int32),
+                 has_initial_state=torch.tensor([True]),
+                 spec_query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                 spec_state_indices_tensor=torch.tensor([spec_slots], dtype=torch.int32),
+                 num_accepted_tokens=torch.tensor([accepted], dtype=torch.int32),
+                 non_spec_token_indx=torch.tensor([0]), spec_token_indx=torch.arange(1, n + 1))
+    out = _forward(layer, torch.cat([x_plain, x_spec]), meta)
+    return out[:1], out[1:]
+
+
+def _fresh_pools(layer, arch, n_slots, gen):
+    """Pools full of random values: reading a slot nobody wrote changes the result instead of reading zeros."""
+    from vllm_glm53.model.kda import kda_state_shapes
+
+    conv_shape, state_shape = kda_state_shapes(arch, 1)
+    layer.kv_cache = (torch.randn(n_slots, *conv_shape, generator=gen),
+                      torch.randn(n_slots, *state_shape, generator=gen))
+    return layer.kv_cache
+
+
+def _sequential(layer, arch, xs, gen):
+    """Reference: prefill the prompt, then one plain decode per token; (outputs, [(conv, state) after each])."""
+    conv, state = _fresh_pools(layer, arch, 1, gen)
+    _prefill(layer, xs[:PROMPT], 0)
+    outs, states = [], []
+    for t in range(PROMPT, xs.shape[0]):
+        outs.append(_decode(layer, xs[t : t + 1], 0))
+        states.append((conv[0].clone(), state[0].clone()))
+    return torch.cat(outs), states
+
+
+# Measured: the verifying step and one-at-a-time decodes agree to 0 (same per-token ops on the same values);
+# the bound leaves room for a compiled kernel that orders its sums differently (1e-6 of values ~1).
+ATOL = 1e-5
+
+
+@pytest.mark.parametrize("k", range(N_DRAFTS + 1))
+def test_kda_state_after_k_accepted_drafts_equals_sequential(kda_layer, k):
+    layer, arch, _ = kda_layer
+    gen = torch.Generator().manual_seed(10 + k)
+    D = arch.hidden_size
+    prompt = torch.randn(PROMPT, D, generator=gen)
+    step1 = torch.randn(N_DRAFTS + 1, D, generator=gen)  # last sampled token + N drafts
+    step2 = torch.randn(N_DRAFTS + 1, D, generator=gen)  # the token after the k accepted drafts + N new drafts
+    other = torch.randn(PROMPT + 2, D, generator=gen)  # a plain sequence decoding in the same batches
+
+    # What the sequence must see: the prompt, the first k+1 tokens of step 1, then step 2 (and the other one).
+    want1, states1 = _sequential(layer, arch, torch.cat([prompt, step1]), gen)
+    want2, states2 = _sequential(layer, arch, torch.cat([prompt, step1[: k + 1], step2]), gen)
+    want_other, other_states = _sequential(layer, arch, other, gen)
+
+    spec_slots = [5, 1, 7, 3]  # not in order, so a slot-arithmetic mistake reads a wrong one
+    plain_slot = 6
+    conv, state = _fresh_pools(layer, arch, 8, gen)
+    _prefill(layer, prompt, spec_slots[0])
+    _prefill(layer, other[:PROMPT], plain_slot)
+
+    got_other, got1 = _verify(layer, other[PROMPT : PROMPT + 1], step1, plain_slot, spec_slots, accepted=1)
+    torch.testing.assert_close(got1, want1, rtol=0, atol=ATOL)
+    torch.testing.assert_close(got_other, want_other[:1], rtol=0, atol=ATOL)
+    for i in range(N_DRAFTS + 1):  # slot i holds the state after token i of the step
+        torch.testing.assert_close(conv[spec_slots[i]], states1[i][0], rtol=0, atol=ATOL, msg=f"conv slot {i}")
+        torch.testing.assert_close(state[spec_slots[i]], states1[i][1], rtol=0, atol=ATOL, msg=f"state slot {i}")
+
+    # The sampler accepted k drafts: the next step starts from slot k (num_accepted_tokens = k + 1).
+    got_other, got2 = _verify(layer, other[PROMPT + 1 : PROMPT + 2], step2, plain_slot, spec_slots,
+                              accepted=k + 1)
+    torch.testing.assert_close(got2, want2[k + 1 :], rtol=0, atol=ATOL)
+    torch.testing.assert_close(got_other, want_other[1:], rtol=0, atol=ATOL)
+    for i in range(N_DRAFTS + 1):
+        torch.testing.assert_close(conv[spec_slots[i]], states2[k + 1 + i][0], rtol=0, atol=ATOL)
+        torch.testing.assert_close(state[spec_slots[i]], states2[k + 1 + i][1], rtol=0, atol=ATOL)
+    torch.testing.assert_close(conv[plain_slot], other_states[1][0], rtol=0, atol=ATOL)
+    torch.testing.assert_close(state[plain_slot], other_states[1][1], rtol=0, atol=ATOL)
