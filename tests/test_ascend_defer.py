@@ -164,7 +164,8 @@ def test_registration_defers_the_model_and_adds_only_the_plugins_own_quantizatio
     # one line says who serves the model and who re-groups
     lines = [r.getMessage() for r in caplog.records if "GLM-5.3 is served by" in r.getMessage()]
     assert len(lines) == 1
-    assert "vllm-ascend (vllm_ascend.models.glm5_next)" in lines[0] and "re-groups" in lines[0]
+    assert "vllm-ascend's GLM5Next: the installed vllm-ascend ships it (vllm_ascend.models.glm5_next)" in lines[0]
+    assert "re-groups" in lines[0]
 
 
 def test_vllms_detection_gives_glm5_next_fp8_checkpoints_to_the_plugin_on_ascend_950_only(vllm_ascend,

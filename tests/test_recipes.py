@@ -406,6 +406,53 @@ def test_printed_script_stops_on_a_missing_parameter():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Every printed command is one its model serves
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_interfaces():
+    """The vLLM interfaces of each model's released-checkpoint class, by vLLM's own predicates."""
+    from tests.vllm_glm5next import interfaces, vllm_interfaces
+    from vllm_glm53 import model
+
+    return {"plugin": set(interfaces(model.Glm5NextForConditionalGeneration)),
+            "vllm": set(vllm_interfaces()["Glm5NextForConditionalGeneration"])}
+
+
+def test_every_printed_command_is_served_by_its_model(cli, model_interfaces):
+    """Walk every recipe x hardware x variant x feature set, with the recipe's own serving model and with the
+    plugin's forced: each command the builder prints, read back by vLLM's own parser, asks of its serving model only
+    interfaces that model's class declares, and never an option the plugin's model would ignore. Independent of the
+    builder's reading of the options (vLLM's parser) and of serving.py's declarations (the classes themselves)."""
+    printed, refused = 0, 0
+    for recipe, hardware, variant, features in all_requests():
+        for served_by in (None, "plugin"):
+            try:
+                plan = R.build(hardware, recipe.strategy, variant, features, example_params(recipe),
+                               served_by=served_by)
+            except R.RecipeError as exc:
+                refused += "rule serving-model" in str(exc)
+                continue
+            have = model_interfaces["plugin" if plan.served_by == "plugin" else "vllm"]
+            where = f"{recipe.id} {hardware} {variant} {features} served by {plan.served_by}"
+            for launch in plan.serve_launches():
+                ns = cli.parse(launch.args)
+                printed += 1
+                spec = ns.speculative_config or {}
+                method = spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
+                assert ns.pipeline_parallel_size == 1 or "SupportsPP" in have, where
+                assert not ns.enable_lora or "SupportsLoRA" in have, where
+                assert method not in ("eagle3", "dflash") or "SupportsEagle3" in have, where
+                if plan.served_by == "plugin":  # options the plugin's model would silently ignore or fail on
+                    assert not ns.enable_expert_parallel and not ns.enable_eplb, where
+                    assert not str(ns.kv_cache_dtype).startswith("fp8"), where
+                    assert ns.attention_backend is None and ns.sparse_indexer_topk_backend == "auto", where
+                    assert R.select(hardware, recipe.strategy, variant)[1].weights != "nvfp4", where
+    assert printed > 100 and refused > 10  # both sides of the rule are exercised
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Rules reject what upstream found broken
 # ---------------------------------------------------------------------------------------------------------
 
@@ -414,7 +461,16 @@ REJECTED = [
     (dict(hardware="h100", strategy="multi-node-ray", features=["fp8-kv"]), "Hopper"),
     (dict(hardware="h200", strategy="pd-disagg", features=["fp8-kv"]), "Hopper"),
     (dict(hardware="h200", extra_args=["--kv-cache-dtype", "fp8_e4m3"]), "rule fp8-kv"),
-    (dict(hardware="cpu", features=["fp8-kv"]), "rule fp8-kv"),
+    (dict(hardware="cpu", features=["fp8-kv"]), "rule serving-model"),
+    # where the plugin's model serves (CPU, or forced with --served-by plugin), what it cannot do is refused
+    (dict(hardware="h200", strategy="multi-node-ray", served_by="plugin"), "--pipeline-parallel-size 2"),
+    (dict(hardware="b200", served_by="plugin"), "--kv-cache-dtype fp8"),
+    (dict(hardware="gb200", variant="nvfp4", features=["no-fp8-kv"], served_by="plugin"), "quantization nvfp4"),
+    (dict(hardware="h200", features=["dflash"], served_by="plugin"), "SupportsEagle3"),
+    (dict(hardware="h200", features=["expert-parallel"], served_by="plugin"), "--enable-expert-parallel"),
+    (dict(hardware="mi355x", served_by="plugin"), "--attention-backend ROCM_AITER_MLA_SPARSE"),
+    (dict(hardware="cpu", extra_args=["--enable-lora"]), "--enable-lora"),
+    (dict(hardware="cpu", served_by="vllm"), "cannot run on cpu"),
     (dict(hardware="ascend-950", extra_args=["--quantization", "ascend"]), "rule ascend-quantization"),
     (dict(hardware="ascend-950", extra_args=["-q", "ascend"]), "rule ascend-quantization"),
     (dict(hardware="atlas-a3", extra_args=["--quantization", "fp8"]), "needs --quantization ascend"),

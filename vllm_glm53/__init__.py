@@ -8,7 +8,6 @@ must stay cheap: it registers lazy ``module:Class`` strings and imports no model
 from __future__ import annotations
 
 import logging
-import os
 
 __version__ = "0.1.0"
 
@@ -51,23 +50,29 @@ def _cache_row_size(hf_text_config) -> int:
 def register() -> list[str]:
     """Register the plugin's pieces with vLLM. Idempotent; ``VLLM_GLM53_DISABLE=1`` turns it off.
 
-    Returns the list of what was registered (empty when disabled).
+    The model classes (and the cache-row sizing and quantization configs that belong to them) are registered only
+    where the plugin's model serves (:mod:`vllm_glm53.serving`); the tokenizer mode, renderer and parsers
+    everywhere. Returns the list of what was registered (empty when disabled).
     """
     global _registered
-    if os.environ.get("VLLM_GLM53_DISABLE", "0").strip().lower() in ("1", "true", "yes"):
+    from vllm_glm53 import envs
+
+    if envs.flag("VLLM_GLM53_DISABLE"):
         logger.info("vllm-glm53: VLLM_GLM53_DISABLE is set; nothing registered")
         return []
     if _registered is not None:
         return _registered
 
-    from vllm_glm53 import _vllm
+    from vllm_glm53 import _vllm, serving
 
+    served = serving.decide(_vllm.platform_kind(), envs.VLLM_GLM53_MODEL, _vllm.ascend_glm5next_module())
     done: list[str] = []
-    for arch, target in MODELS.items():
-        if _vllm.register_model(arch, *target):
+    if served.plugin_model:
+        for arch, target in MODELS.items():
+            _vllm.register_model(arch, *target)
             done.append(f"model {arch}")
-    if done and _vllm.register_cache_row_size(CACHE_ROW_MODEL_TYPES, _cache_row_size):
-        done.append("cache row size " + "/".join(CACHE_ROW_MODEL_TYPES))
+        if _vllm.register_cache_row_size(CACHE_ROW_MODEL_TYPES, _cache_row_size):
+            done.append("cache row size " + "/".join(CACHE_ROW_MODEL_TYPES))
     for mode, target in TOKENIZER_MODES.items():
         _vllm.register_tokenizer_mode(mode, *target)
         done.append(f"tokenizer-mode {mode}")
@@ -80,8 +85,13 @@ def register() -> list[str]:
     for name, target in REASONING_PARSERS.items():
         _vllm.register_reasoning_parser(name, *target)
         done.append(f"reasoning-parser {name}")
-    done += _vllm.register_extras()
+    from vllm_glm53.quant.configs import register_configs
+
+    quantization, fp8_note = register_configs(served)
+    done += quantization
 
     _registered = done
-    logger.info("vllm-glm53 %s registered: %s", __version__, ", ".join(done))
+    # One line that says which model serves and why, and what was registered.
+    logger.info("vllm-glm53 %s: %s%s; registered: %s", __version__, served.describe(),
+                f"; {fp8_note}" if fp8_note else "", ", ".join(done))
     return done

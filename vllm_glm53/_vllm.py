@@ -24,14 +24,11 @@ def _first_module(*names: str):
     raise ModuleNotFoundError(f"none of {names} is importable in this vLLM")
 
 
-def register_model(arch: str, module: str, cls: str) -> bool:
-    """Register a model class; returns False (nothing registered) where vllm-ascend serves GLM5Next itself."""
+def register_model(arch: str, module: str, cls: str) -> None:
+    """Point vLLM's model registry at ``module:cls`` for ``arch`` (replacing vLLM's in-tree entry of that name)."""
     from vllm import ModelRegistry
 
-    if ascend_glm5next_module() is not None:  # section "quantization": the plugin defers to it
-        return False
     ModelRegistry.register_model(arch, f"{module}:{cls}")
-    return True
 
 
 class _CacheRowConvertorMark:
@@ -98,13 +95,6 @@ def register_reasoning_parser(name: str, module: str, cls: str) -> None:
     manager.register_lazy_module(name, module, cls)
 
 
-def register_extras() -> list[str]:
-    """Registrations that need more than a lazy name (quantization configs, ...). Returns what was done."""
-    from vllm_glm53.quant.configs import register_configs
-
-    return register_configs()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # --- model: config, distributed, layers, KV-cache specs, attention backends ---
 # (imported by vllm_glm53.model and vllm_glm53.backends only; never from register())
@@ -158,6 +148,28 @@ def __getattr__(name: str):
         globals()[name] = value  # cache: the next lookup is a plain module attribute
         return value
     raise ImportError(f"this vLLM version has no {name} (looked in {', '.join(modules)})")
+
+
+def serve_options(vllm_config):
+    """The options :func:`vllm_glm53.serving.refusals` judges, read from where vLLM 0.32 keeps them (missing
+    sections, as in older releases, read as the default)."""
+    from vllm_glm53.serving import ServeOptions
+
+    parallel = vllm_config.parallel_config
+    spec = getattr(vllm_config, "speculative_config", None)
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    topk = getattr(getattr(vllm_config, "kernel_config", None), "sparse_indexer_topk_backend", "auto")
+    return ServeOptions(
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+        expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)),
+        eplb=bool(getattr(parallel, "enable_eplb", False)),
+        lora=getattr(vllm_config, "lora_config", None) is not None,
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        quantization=vllm_config.model_config.quantization,
+        speculative_method=getattr(spec, "method", None),
+        attention_backend=None if backend is None else getattr(backend, "name", str(backend)),
+        sparse_indexer_topk_backend=str(topk or "auto"),
+    )
 
 
 def cpu_skip_gemm_dispatch(linear) -> None:

@@ -30,6 +30,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import yaml
 
+from vllm_glm53 import envs, serving
+
 
 class RecipeError(ValueError):
     """A request or a recipe that breaks the schema or a rule; the message names what is valid."""
@@ -523,6 +525,8 @@ class Plan:
     weights: str
     status: str
     image: str | None
+    served_by: str  # serving.PLUGIN | serving.VLLM | serving.VLLM_ASCEND: whose GLM-5.3 model runs the commands
+    served_why: str
     features: dict[str, int | None]  # enabled features; mtp carries its token count
     available: list[str]  # features the recipe offers beyond the enabled ones
     install: list[str]
@@ -568,6 +572,7 @@ class Plan:
             f"# hardware {self.hardware}: {hw.display} | strategy {self.strategy} | variant {self.variant}: "
             f"{self.model}, {WEIGHTS[self.weights]}",
             f"# status: {STATUSES[self.status]} | recipe {self.recipe}.yaml",
+            f"# model: {serving.DESCRIPTIONS[self.served_by]}: {self.served_why}",
             f"# features: {', '.join(on) or 'none'}"
             + (f" | also available: {', '.join(self.available)}" if self.available else "")
             + " (turn one off with --feature no-NAME)",
@@ -734,6 +739,7 @@ class _Context:
     variant: Variant
     features: Mapping[str, FeatureConfig]
     serve: Sequence[Launch]
+    served: serving.Serving
 
 
 def _rule_one_drafter(c: _Context) -> str | None:
@@ -772,15 +778,13 @@ def _rule_dflash_platform(c: _Context) -> str | None:
 
 
 def _rule_fp8_kv(c: _Context) -> str | None:
-    """No FP8 KV cache on Hopper (sparse-MLA start-up failure, vllm#57713) or CPU (no FP8 KV path)."""
+    """No FP8 KV cache on Hopper (sparse-MLA start-up failure, vllm#57713). (Where the plugin's model serves, CPU
+    included, the serving-model rule refuses it: its latent cache stays in the model dtype.)"""
     for launch in c.serve:
         dtype = _last(launch.args, "--kv-cache-dtype")
-        if dtype and dtype.startswith("fp8"):
-            if c.hw.arch == "hopper":
-                return (f"FP8 KV cache is not supported on Hopper ({c.hw.display}) for this model: "
-                        "run the KV cache in BF16 (vllm#57713)")
-            if c.hw.platform == "cpu":
-                return "FP8 KV cache is not supported on CPU (the CPU backends store BF16/FP32 KV)"
+        if dtype and dtype.startswith("fp8") and c.hw.arch == "hopper":
+            return (f"FP8 KV cache is not supported on Hopper ({c.hw.display}) for this model: "
+                    "run the KV cache in BF16 (vllm#57713)")
     return None
 
 
@@ -869,6 +873,49 @@ def _rule_glm_flags(c: _Context) -> str | None:
     return None
 
 
+_WEIGHTS_QUANTIZATION = {"fp8-block": "fp8", "nvfp4": "nvfp4", "w8a8": "ascend"}  # checkpoint -> vLLM method
+
+
+def serve_options(args: Sequence[str], weights: str) -> serving.ServeOptions:
+    """What :func:`serving.refusals` judges, read from a finished ``vllm serve`` argument list."""
+    spec = _last(args, "--speculative-config")
+    method = None
+    if spec:
+        try:
+            method = json.loads(spec).get("method")
+        except (ValueError, AttributeError):
+            raise RecipeError(f"--speculative-config is not a JSON object: {spec}") from None
+    attention = _last(args, "--attention-backend")
+    config = _last(args, "--attention-config")
+    if attention is None and config:
+        try:
+            attention = json.loads(config).get("backend")
+        except (ValueError, AttributeError):
+            raise RecipeError(f"--attention-config is not a JSON object: {config}") from None
+    return serving.ServeOptions(
+        pipeline_parallel_size=int(_last(args, "--pipeline-parallel-size") or 1),
+        expert_parallel=_has(args, "--enable-expert-parallel"),
+        eplb=_has(args, "--enable-eplb"),
+        lora=_has(args, "--enable-lora"),
+        kv_cache_dtype=_last(args, "--kv-cache-dtype") or "auto",
+        quantization=_last(args, "--quantization") or _WEIGHTS_QUANTIZATION.get(weights),
+        speculative_method=method,
+        attention_backend=attention,
+        sparse_indexer_topk_backend=_last(args, "--sparse-indexer-topk-backend") or "auto",
+    )
+
+
+def _rule_serving_model(c: _Context) -> str | None:
+    """Every printed command is one its model serves (serving.refusals: the plugin's model runs the same check at
+    start-up)."""
+    model = serving.capabilities(c.served.model)
+    for launch in c.serve:
+        problems = serving.refusals(model, serve_options(launch.args, c.variant.weights))
+        if problems:
+            return "; ".join(problems)
+    return None
+
+
 RULES: list[tuple[str, Callable[[_Context], str | None]]] = [
     ("one-drafter", _rule_one_drafter),
     ("mtp-tokens", _rule_mtp_tokens),
@@ -883,6 +930,7 @@ RULES: list[tuple[str, Callable[[_Context], str | None]]] = [
     ("cpu-launch", _rule_cpu_launch),
     ("python-frontend", _rule_python_frontend),
     ("glm-flags", _rule_glm_flags),
+    ("serving-model", _rule_serving_model),
 ]
 
 
@@ -936,14 +984,37 @@ def _choose_features(recipe: Recipe, hw: Hardware, requests: Iterable[str]
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _served(hw: Hardware, serve: Sequence[Launch]) -> serving.Serving:
+    """Whose model runs these serve launches: :func:`serving.decide` for the hardware's platform and each launch's
+    VLLM_GLM53_MODEL, as ``register()`` decides it on that machine. The Ascend recipes run vllm-ascend images that
+    ship GLM5Next."""
+    platform = "npu" if hw.platform == "ascend" else hw.platform
+    decided = set()
+    for launch in serve:
+        variable = envs.VARIABLES["VLLM_GLM53_MODEL"]
+        choice = launch.env.get(variable.name, variable.default).strip().lower() or variable.default
+        if choice not in variable.choices:
+            raise RecipeError(f"{variable.name}={choice!r} is not one of {', '.join(variable.choices)}")
+        try:
+            decided.add(serving.decide(platform, choice, "the image's vllm-ascend" if platform == "npu" else None))
+        except serving.ServingError as exc:
+            raise RecipeError(str(exc)) from None
+    if len(decided) != 1:
+        raise RecipeError("the serve launches of one plan must be served by the same model")
+    return decided.pop()
+
+
 def build(hardware: str, strategy: str | None = None, variant: str | None = None, features: Iterable[str] = (),
-          params: Mapping[str, object] | None = None, extra_args: Sequence[str] = ()) -> Plan:
+          params: Mapping[str, object] | None = None, extra_args: Sequence[str] = (),
+          served_by: str | None = None) -> Plan:
     """The ready plan for one deployment.
 
     ``features``: ``NAME`` turns a feature on, ``no-NAME`` off, ``mtp=N`` sets the draft depth.
     ``params``: values for the recipe's ``${NAME}`` parameters (``MODEL``, ``NODE0_IP``, ...); parameters with
     neither a value nor a default stay as ``${NAME}`` in the commands and are listed in ``Plan.unresolved``.
     ``extra_args``: serve options appended to every ``vllm serve``, replacing the same option from the recipe.
+    ``served_by``: ``plugin`` or ``vllm`` exports VLLM_GLM53_MODEL on every node to force whose model serves
+    (default: the recipe's, normally ``auto``: vLLM's own model on CUDA/ROCm, the plugin's on CPU).
     Raises RecipeError for unknown names and broken rules.
     """
     recipe, var = select(hardware, strategy, variant)
@@ -980,6 +1051,8 @@ def build(hardware: str, strategy: str | None = None, variant: str | None = None
             override_args += recipe.overrides[key]["args"]
     feature_args = [t for name in FEATURES if name in chosen for t in _feature_args(name, chosen[name])]
     shared_env = {**recipe.env, **override_env, **var.env}
+    if served_by is not None:
+        shared_env["VLLM_GLM53_MODEL"] = served_by
 
     node_env = [{k: fill(v, node) for k, v in shared_env.items()} for node in range(recipe.nodes)]
     launches = []
@@ -995,7 +1068,9 @@ def build(hardware: str, strategy: str | None = None, variant: str | None = None
         launches.append(Launch(spec.name, spec.node, spec.kind, [fill(t, spec.node) for t in program],
                                [fill(t, spec.node) for t in args], {**node_env[spec.node], **own}, own))
 
-    _check_rules(_Context(recipe, hw, var, chosen, [launch for launch in launches if launch.kind == "serve"]))
+    serve = [launch for launch in launches if launch.kind == "serve"]
+    served = _served(hw, serve)
+    _check_rules(_Context(recipe, hw, var, chosen, serve, served))
     if unoffered:
         offered = ", ".join(n for n in recipe.features if recipe.features[n].state != "required")
         raise RecipeError(f"recipe {recipe.id} ({hardware} / {recipe.strategy}) does not offer "
@@ -1013,6 +1088,8 @@ def build(hardware: str, strategy: str | None = None, variant: str | None = None
         weights=var.weights,
         status=recipe.status,
         image=recipe.image,
+        served_by=served.model,
+        served_why=served.reason,
         features={n: (chosen[n].tokens if n == "mtp" else None) for n in FEATURES if n in chosen},
         available=available,
         install=[*INSTALL[hw.platform], *(fill(line, 0) for line in recipe.install)],
@@ -1115,6 +1192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a recipe parameter (node IPs, network interface, ports, ...)")
     parser.add_argument("--model", help="serve this checkpoint (Hugging Face id or local path) instead")
+    parser.add_argument("--served-by", choices=("plugin", "vllm"),
+                        help="force whose GLM-5.3 model serves (exports VLLM_GLM53_MODEL; default: vLLM's own on "
+                             "CUDA/ROCm, vllm-ascend's on Ascend, the plugin's on CPU)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     ns = parser.parse_args(args)
     if ns.list:
@@ -1141,7 +1221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     params["CPU_BIND"] = cpu_bind(int(tp))
                 except RecipeError:
                     pass  # fewer cores here than ranks: leave ${CPU_BIND} for the user to set
-        plan = build(ns.hardware, ns.strategy, ns.variant, ns.feature, params, extra)
+        plan = build(ns.hardware, ns.strategy, ns.variant, ns.feature, params, extra, ns.served_by)
     except RecipeError as exc:
         parser.error(str(exc))
     sys.stdout.write(json.dumps(plan.to_dict(), indent=2) + "\n" if ns.json else plan.script())

@@ -25,6 +25,7 @@ from vllm_glm53._vllm import (
     ParallelLMHead,
     SupportsMultiModal,
     VocabParallelEmbedding,
+    serve_options,
 )
 from vllm_glm53.config import TextArch, text_arch
 from vllm_glm53.model.kda import Glm5NextKDA, kda_state_dtypes, kda_state_shapes
@@ -41,6 +42,7 @@ from vllm_glm53.model.multimodal import (
 from vllm_glm53.model.norm import RMSNorm
 from vllm_glm53.model.vision import Glm5NextVisionTower, vision_arch
 from vllm_glm53.model.weights import WeightLoader
+from vllm_glm53.serving import PLUGIN_MODEL, refusals
 
 
 class Glm5NextDecoderLayer(nn.Module):
@@ -100,11 +102,22 @@ class Glm5NextModel(nn.Module):
         return self.norm(h)
 
 
+def check_serve_options(vllm_config) -> None:
+    """Refuse at start-up, naming the flag, what this model would otherwise fail on later or silently ignore
+    (the recipe builder applies the same :func:`~vllm_glm53.serving.refusals` to the commands it prints)."""
+    problems = refusals(PLUGIN_MODEL, serve_options(vllm_config))
+    if problems:
+        raise ValueError("vllm-glm53: the plugin's GLM-5.3 model cannot serve this configuration: "
+                         + "; ".join(problems) + ". On CUDA/ROCm, vLLM's own model serves these (unset "
+                         "VLLM_GLM53_MODEL).")
+
+
 class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid):
     """Flat (text-only) checkpoints: ``model.*`` and ``lm_head``."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
+        check_serve_options(vllm_config)
         hf_config = vllm_config.model_config.hf_config
         self.arch = text_arch(hf_config)
         self.model_dtype = vllm_config.model_config.dtype

@@ -1,4 +1,4 @@
-"""The quantization configs the plugin registers with vLLM, and who serves GLM-5.3 on this platform.
+"""The quantization configs the plugin registers with vLLM for the model that serves GLM-5.3 on this platform.
 
 These classes only claim checkpoints and pass vLLM's validation (dtype, capability); the plugin's layers take
 their methods from the per-tensor plan (:mod:`.plan`). Registration imports vLLM's quantization package only
@@ -21,6 +21,7 @@ import torch
 
 from vllm_glm53 import _vllm
 from vllm_glm53.quant import fp8, w8a8
+from vllm_glm53.serving import VLLM_ASCEND, Serving
 
 logger = logging.getLogger("vllm_glm53")
 
@@ -73,7 +74,9 @@ class Glm5NextFp8Config(_PluginQuantConfig):
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
         if hf_quant_cfg.get("quant_method") != "fp8" or user_quant not in (None, "fp8", fp8.CONFIG_NAME):
             return None
-        if not fp8.is_glm5_next(hf_config) or _vllm.ascend_glm5next_module() is not None:
+        # Registered only where the plugin's model serves (register_configs); asked again because a process can
+        # hold the registration from an earlier decision (tests that fake another platform).
+        if not fp8.is_glm5_next(hf_config) or not _plugin_model_serves():
             return None
         return fp8.CONFIG_NAME
 
@@ -181,26 +184,30 @@ class Glm5NextW8A8Config(_PluginQuantConfig):
         return cls(config)
 
 
-def register_configs() -> list[str]:
-    """Register the configs (and log who serves the model); returns what was registered."""
+def _plugin_model_serves() -> bool:
+    from vllm_glm53 import envs, serving
+
+    return serving.decide(_vllm.platform_kind(), envs.VLLM_GLM53_MODEL, _vllm.ascend_glm5next_module()).plugin_model
+
+
+def register_configs(served: Serving) -> tuple[list[str], str | None]:
+    """Register the configs that belong to the model that serves (:mod:`vllm_glm53.serving`). Returns what was
+    registered, and what register()'s start-up line should add about FP8 checkpoints (None: nothing).
+    vLLM's own model (CUDA, ROCm) takes FP8 checkpoints with vLLM's ``Fp8Config``: nothing here."""
     done = []
-    _vllm.register_quantization_config(fp8.CONFIG_NAME, Glm5NextFp8Config)
-    done.append(f"quantization {fp8.CONFIG_NAME}")
-    if find_spec("vllm_ascend") is None and w8a8.CONFIG_NAME not in _vllm.quantization_methods():
-        _vllm.register_quantization_config(w8a8.CONFIG_NAME, Glm5NextW8A8Config)
-        done.append(f"quantization {w8a8.CONFIG_NAME}")
-    ascend_module = _vllm.ascend_glm5next_module()
-    if ascend_module is not None:
-        _vllm.register_quantization_config(MXFP8_CONFIG_NAME, Glm5NextMxfp8Config)
-        done.append(f"quantization {MXFP8_CONFIG_NAME}")
-        device = _vllm.ascend_device_type()
-        if device == _ASCEND_950:
-            regroups = (f"vllm-glm53 re-groups its FP8 checkpoints to MXFP8 (quantization {MXFP8_CONFIG_NAME}; "
-                        "--quantization fp8 keeps vllm-ascend's own conversion)")
-        else:
-            regroups = f"FP8 weights stay with vllm-ascend (device {device}: the MXFP8 re-grouping needs an Ascend 950)"
-        logger.info("vllm-glm53: GLM-5.3 is served by vllm-ascend (%s), no plugin model class; %s",
-                    ascend_module, regroups)
-    else:
-        logger.info("vllm-glm53: GLM-5.3 is served by vllm-glm53 (platform %s)", _vllm.platform_kind())
-    return done
+    if served.plugin_model:
+        _vllm.register_quantization_config(fp8.CONFIG_NAME, Glm5NextFp8Config)
+        done.append(f"quantization {fp8.CONFIG_NAME}")
+        if find_spec("vllm_ascend") is None and w8a8.CONFIG_NAME not in _vllm.quantization_methods():
+            _vllm.register_quantization_config(w8a8.CONFIG_NAME, Glm5NextW8A8Config)
+            done.append(f"quantization {w8a8.CONFIG_NAME}")
+        return done, None
+    if served.model != VLLM_ASCEND:
+        return done, None
+    _vllm.register_quantization_config(MXFP8_CONFIG_NAME, Glm5NextMxfp8Config)
+    done.append(f"quantization {MXFP8_CONFIG_NAME}")
+    device = _vllm.ascend_device_type()
+    if device == _ASCEND_950:
+        return done, (f"vllm-glm53 re-groups its FP8 checkpoints to MXFP8 (quantization {MXFP8_CONFIG_NAME}; "
+                      "--quantization fp8 keeps vllm-ascend's own conversion)")
+    return done, f"FP8 weights stay with vllm-ascend (device {device}: the MXFP8 re-grouping needs an Ascend 950)"

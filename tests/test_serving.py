@@ -1,0 +1,255 @@
+"""Who serves GLM-5.3 (issue #15): vLLM's own model on CUDA/ROCm, the plugin's on CPU and where vLLM's cannot run,
+``VLLM_GLM53_MODEL`` to force a side; what ``register()`` leaves to vLLM in each case."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_glm53 import envs, serving
+
+ARCHS = ["Glm5NextForCausalLM", "Glm5NextForConditionalGeneration", "Glm5NextMTPModel"]
+
+
+@pytest.mark.parametrize("platform, choice, ascend, expected", [
+    ("cuda", "auto", None, serving.VLLM),
+    ("rocm", "auto", None, serving.VLLM),
+    ("cpu", "auto", None, serving.PLUGIN),
+    ("xpu", "auto", None, serving.PLUGIN),  # vLLM's glm5next raises on XPU at import
+    ("tpu", "auto", None, serving.PLUGIN),
+    ("npu", "auto", None, serving.PLUGIN),
+    ("npu", "auto", "vllm_ascend.models.glm5_next", serving.VLLM_ASCEND),
+    ("cuda", "plugin", None, serving.PLUGIN),
+    ("rocm", "plugin", None, serving.PLUGIN),
+    ("cpu", "plugin", None, serving.PLUGIN),
+    ("npu", "plugin", "vllm_ascend.models.glm5_next", serving.PLUGIN),
+    ("cuda", "vllm", None, serving.VLLM),
+    ("npu", "vllm", "vllm_ascend.models.glm5_next", serving.VLLM_ASCEND),
+])
+def test_who_serves(platform, choice, ascend, expected):
+    served = serving.decide(platform, choice, ascend)
+    assert served.model == expected
+    assert served.reason  # the log line says why
+    if choice != "auto":
+        assert "VLLM_GLM53_MODEL" in served.reason
+
+
+@pytest.mark.parametrize("platform", ["cpu", "xpu", "npu"])
+def test_forcing_vllms_model_where_it_cannot_run_says_so(platform):
+    with pytest.raises(serving.ServingError, match=rf"VLLM_GLM53_MODEL=vllm.*cannot run"):
+        serving.decide(platform, "vllm", None)
+
+
+def test_an_unknown_choice_names_the_variable_and_the_valid_values(monkeypatch):
+    monkeypatch.setenv("VLLM_GLM53_MODEL", "mine")
+    with pytest.raises(envs.EnvError, match=r"VLLM_GLM53_MODEL='mine'.*auto, plugin, vllm"):
+        envs.VLLM_GLM53_MODEL
+    monkeypatch.setenv("VLLM_GLM53_MODEL", " Plugin ")
+    assert envs.VLLM_GLM53_MODEL == "plugin"
+
+
+# In a fresh process, for each scenario in turn: replace vLLM's platform by one that says it is CUDA or ROCm (a
+# CPU platform object with another enum: nothing here needs a GPU) or keep the real one, set VLLM_GLM53_MODEL, run
+# register() afresh, and report what each vLLM registry holds. Scenarios share the process (vLLM starts in
+# seconds, not tens of them): the GPU ones come first, so a model registered by a later one cannot hide a leak.
+_PROBE = r"""
+import json, logging, os, sys
+logging.basicConfig(level=logging.INFO, format="%%(message)s", stream=sys.stdout)
+import vllm.platforms as platforms
+from vllm.platforms.cpu import CpuPlatform
+from vllm.platforms.interface import PlatformEnum
+from vllm import ModelRegistry
+from vllm.tokenizers.registry import TokenizerRegistry
+from vllm.renderers.registry import RENDERER_REGISTRY
+from vllm.tool_parsers import ToolParserManager
+from vllm.reasoning import ReasoningParserManager
+from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS as conv
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+import vllm_glm53
+
+for scenario in sys.argv[1:]:
+    fake, choice = scenario.split(":")
+    if fake != "none":
+        class FakeGpu(CpuPlatform):
+            _enum = PlatformEnum.CUDA if fake == "cuda" else PlatformEnum.ROCM
+            device_name = device_type = fake
+        platforms._current_platform = FakeGpu()
+    os.environ["VLLM_GLM53_MODEL"] = choice
+    vllm_glm53._registered = None
+    registered = vllm_glm53.register()
+    state = {
+        "scenario": scenario,
+        "models": {a: ModelRegistry.models[a].module_name for a in %(archs)r},
+        "tokenizer": TokenizerRegistry.tokenizers.get("glm5_next"),
+        "renderer": RENDERER_REGISTRY.renderers.get("glm5_next"),
+        "tool": {n: ToolParserManager.lazy_parsers.get(n, [None])[0] for n in ("glm47", "glm45")},
+        "reasoning": {n: ReasoningParserManager.lazy_parsers.get(n, [None])[0] for n in ("glm47", "glm45")},
+        "convertor": getattr(conv.get("glm5_next"), "__module__", None),
+        "quant": sorted(m for m in QUANTIZATION_METHODS if m.startswith("glm5_next") or m == "ascend"),
+        "registered": registered,
+        "vllm_model_imported": any(m.startswith("vllm.models.glm5next") for m in sys.modules),
+    }
+    print("STATE" + json.dumps(state), flush=True)
+""" % {"archs": ARCHS}
+
+
+def _probe(*scenarios: str) -> dict[str, tuple[dict, list[str]]]:
+    """``{scenario: (registry state, this scenario's log lines)}`` for scenarios ``PLATFORM:VLLM_GLM53_MODEL``."""
+    out = subprocess.run([sys.executable, "-c", _PROBE, *scenarios], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLLM_GLM53_DISABLE": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    found, lines = {}, []
+    for line in out.stdout.splitlines():
+        if line.startswith("STATE"):
+            state = json.loads(line[len("STATE"):])
+            found[state["scenario"]] = (state, lines)
+            lines = []
+        else:
+            lines.append(line)
+    assert list(found) == list(scenarios), out.stdout[-3000:]
+    return found
+
+
+@pytest.fixture(scope="module")
+def probed():
+    return _probe("cuda:auto", "rocm:auto", "cuda:plugin")
+
+
+@pytest.fixture(scope="module")
+def on_cpu():
+    return _probe("none:auto")["none:auto"]
+
+
+def _served_line(log: list[str]) -> str:
+    served = [line for line in log if "GLM-5.3 is served by" in line]
+    assert len(served) == 1, log  # one start-up line says which model serves and why
+    return served[0]
+
+
+@pytest.mark.parametrize("fake", ["cuda", "rocm"])
+def test_on_gpus_vllms_own_model_serves_and_the_plugin_completes_it(fake, probed, on_cpu):
+    state, log = probed[f"{fake}:auto"]
+    # The model classes and vLLM's own sizing hook stay vLLM's, untouched ...
+    assert state["models"] == {a: "vllm.models.glm5next" for a in ARCHS}
+    assert not (state["convertor"] or "").startswith("vllm_glm53")  # vLLM's own (0.32: none for glm5_next)
+    assert not state["vllm_model_imported"]  # decided without importing vLLM's model (torchvision, CUDA ops)
+    assert state["quant"] == []  # vLLM's Fp8Config takes the FP8 checkpoint
+    assert not any(item.startswith("model ") for item in state["registered"])
+    # ... while everything the front-end needs is the plugin's, as on CPU
+    assert state["tokenizer"] == on_cpu[0]["tokenizer"] == ["vllm_glm53.chat.tokenizer", "Glm5NextTokenizer"]
+    assert state["renderer"] == on_cpu[0]["renderer"] and state["renderer"][0].startswith("vllm_glm53.")
+    assert state["tool"] == {"glm47": "vllm_glm53.parsers.tool", "glm45": "vllm_glm53.parsers.tool"}
+    assert state["reasoning"] == {"glm47": "vllm_glm53.parsers.reasoning", "glm45": "vllm_glm53.parsers.reasoning"}
+    assert "vLLM's own GLM5Next" in _served_line(log) and f"runs on {fake}" in _served_line(log)
+
+
+def test_forcing_the_plugins_model_on_a_gpu(probed):
+    state, log = probed["cuda:plugin"]
+    assert state["models"] == {a: "vllm_glm53.model" for a in ARCHS}
+    assert state["convertor"] == "vllm_glm53._vllm"
+    assert "glm5_next_fp8" in state["quant"]
+    assert "VLLM_GLM53_MODEL=plugin" in _served_line(log)
+
+
+def test_on_cpu_the_plugins_model_serves(on_cpu):
+    state, log = on_cpu
+    assert state["models"] == {a: "vllm_glm53.model" for a in ARCHS}
+    assert state["convertor"] == "vllm_glm53._vllm"
+    assert state["quant"] == ["ascend", "glm5_next_fp8"]
+    assert [f"model {a}" for a in ARCHS] == [i for i in state["registered"] if i.startswith("model ")]
+    assert "the plugin's model" in _served_line(log) and "cannot run on cpu" in _served_line(log)
+
+
+@pytest.mark.parametrize("value, error, message", [
+    ("vllm", serving.ServingError, "VLLM_GLM53_MODEL=vllm, but vLLM's own GLM5Next cannot run on cpu"),
+    ("both", envs.EnvError, "VLLM_GLM53_MODEL='both' is not valid; expected one of: auto, plugin, vllm"),
+])
+def test_bad_choices_stop_register_with_a_clear_message(value, error, message, monkeypatch):
+    import vllm_glm53
+
+    monkeypatch.setenv("VLLM_GLM53_MODEL", value)
+    monkeypatch.setattr(vllm_glm53, "_registered", None)
+    with pytest.raises(error) as raised:
+        vllm_glm53.register()
+    assert message in str(raised.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What each model can serve: the declared capabilities are the model classes' own, and the plugin's model refuses at
+# start-up exactly what the recipe builder refuses (both call serving.refusals).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_declared_interfaces_are_the_plugins_classes():
+    from tests.vllm_glm5next import interfaces
+    from vllm_glm53 import model
+
+    assert interfaces(model.Glm5NextForConditionalGeneration) == sorted(serving.PLUGIN_MODEL.interfaces)
+    # the text-only class differs by the multimodal interface alone
+    assert interfaces(model.Glm5NextForCausalLM) == sorted(serving.PLUGIN_MODEL.interfaces - {"SupportsMultiModal"})
+
+
+def test_declared_interfaces_are_vllms_own_classes():
+    from tests.vllm_glm5next import vllm_interfaces
+
+    found = vllm_interfaces()
+    # the released checkpoint is Glm5NextForConditionalGeneration
+    assert found["Glm5NextForConditionalGeneration"] == sorted(serving.VLLM_MODEL.interfaces)
+
+
+@pytest.fixture(scope="module")
+def engine_config(tmp_path_factory):
+    """``VllmConfig``s as vLLM's own argument handling builds them for a tiny checkpoint (no engine starts)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_glm53
+    from vllm_glm53.tiny import build_checkpoint
+
+    vllm_glm53.register()
+    ckpt = build_checkpoint(tmp_path_factory.mktemp("serving") / "tiny")
+
+    def make(**options):
+        return EngineArgs(model=str(ckpt), max_model_len=512, enforce_eager=True, enable_prefix_caching=False,
+                          **options).create_engine_config()
+
+    return make
+
+
+@pytest.mark.parametrize("options, flag", [
+    (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8"),
+    (dict(enable_expert_parallel=True), "--enable-expert-parallel"),
+    (dict(enable_lora=True), "--enable-lora"),
+    (dict(attention_backend="FLASH_ATTN"), "--attention-backend FLASH_ATTN"),
+    (dict(sparse_indexer_topk_backend="aiter"), "--sparse-indexer-topk-backend aiter"),
+])
+def test_the_plugins_model_refuses_at_start_up_what_it_would_ignore(engine_config, options, flag):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_glm53.model import Glm5NextForConditionalGeneration
+    from vllm_glm53.recipes import serve_options
+
+    config = engine_config(**options)
+    with set_current_vllm_config(config), pytest.raises(ValueError, match="cannot serve this configuration") as err:
+        Glm5NextForConditionalGeneration(vllm_config=config)
+    assert flag in str(err.value)
+    # the recipe builder reads the same option from a command line and refuses it with the same words
+    argv = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    from_command_line = serving.refusals(serving.PLUGIN_MODEL, serve_options(argv, "bf16"))
+    assert len(from_command_line) == 1 and from_command_line[0] in str(err.value)
+
+
+def test_vllm_refuses_pipeline_parallel_for_the_plugins_model_by_its_interface(engine_config):
+    # the builder's "no SupportsPP" refusal is vLLM's own, raised while the config is built
+    with pytest.raises(NotImplementedError, match="SupportsPP"):
+        engine_config(pipeline_parallel_size=2)
+    assert serving.refusals(serving.PLUGIN_MODEL, serving.ServeOptions(pipeline_parallel_size=2))
+
+
+def test_default_options_are_served(engine_config):
+    from vllm_glm53.model.model import check_serve_options
+
+    check_serve_options(engine_config())  # raises if anything were refused
