@@ -1,32 +1,41 @@
 """The ``glm47``/``glm45`` tool and reasoning parsers, driven the way vLLM's serving layer drives them.
 
-Each output is parsed by the parser vLLM composes (``ParserManager.get_parser`` with both names), with real
-``ChatCompletionRequest`` objects: non-streaming through ``parse``, streaming through ``parse_delta`` in two
-chunkings, one character at a time without token ids and one token at a time with ids and an incremental
-detokenizer. Expected values are the documented behaviour (chat-and-parsers notes, §3); all three paths
-must agree (streamed content keeps the leading whitespace non-streaming strips when calls were made).
+Each output is parsed by the parser vLLM composes (``ParserManager.get_parser``), with real
+``ChatCompletionRequest`` objects: non-streaming through ``parse``, streaming through ``parse_delta`` in chunks
+of 1, 3 and 7 characters without token ids and one token at a time with ids and an incremental detokenizer
+(``parser_harness``). Expected values are the documented behaviour (chat-and-parsers notes, §3); every path
+must agree (streamed content keeps the leading whitespace non-streaming strips when calls were made). The
+cases ported from vLLM's and SGLang's own GLM parser tests are in ``test_parsers_upstream.py``, the comparison
+with vLLM 0.32's parsers in ``test_parsers_vllm_diff.py``.
 """
 
 import json
-from dataclasses import dataclass, field
 
 import pytest
-from tokenizers.decoders import DecodeStream
 
 import vllm_glm53
+from parser_harness import (
+    MODES,
+    STREAM_MODES,
+    ChatCompletionRequest,
+    ParserManager,
+    Result,
+    call,
+    chunks,
+    function,
+    name_groups,
+    pipeline,
+    run,
+    run_reasoning_parser,
+    run_tool_parser,
+    streamed_as_oneshot,
+)
+from parser_harness import agree as agree_modes
+from parser_harness import request as make_request
 from vllm_glm53.chat.tokenizer import Glm5NextTokenizer
 from vllm_glm53.parsers.reasoning import Glm47ReasoningParser
 from vllm_glm53.parsers.tool import Glm47ToolParser
 from vllm_glm53.tiny import write_tokenizer
-
-ChatCompletionRequest = pytest.importorskip("vllm.entrypoints.openai.chat_completion.protocol").ChatCompletionRequest
-ParserManager = pytest.importorskip("vllm.parser.parser_manager").ParserManager
-
-
-def function(name, properties=None):
-    parameters = {"type": "object", "properties": properties or {}}
-    return {"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": parameters}}
-
 
 TOOLS = [
     function("get_weather", {"city": {"type": "string"}, "days": {"type": "integer"}, "units": {"enum": ["c", "f"]}}),
@@ -55,84 +64,32 @@ def tok(tmp_path_factory):
     return Glm5NextTokenizer.from_pretrained(str(path))
 
 
+@pytest.fixture(scope="module", params=name_groups())
+def name(request):
+    """Both parser names (one class for ``glm47`` and ``glm45``: one group)."""
+    return request.param
+
+
 def request(tools=TOOLS, **kwargs):
-    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools, **kwargs)
+    return make_request(tools, **kwargs)
 
 
-def composed(tok, req, tool=True, reasoning=True):
-    """A per-request parser exactly as vLLM's chat serving builds and prepares it."""
-    cls = ParserManager.get_parser(
-        tool_parser_name="glm47" if tool else None,
-        reasoning_parser_name="glm47" if reasoning else None,
-        enable_auto_tools=True,
-        tokenizer=tok,
-    )
-    chat_kwargs = req.build_chat_params(None, "auto").chat_template_kwargs
-    parser = cls(tok, req.tools, chat_template_kwargs=chat_kwargs)
-    parser.adjust_request(req)
-    assert req.skip_special_tokens is False
-    return parser
+def parse(tok, output, req, name="glm47", **kwargs):
+    return run(pipeline(tok, name, **kwargs), tok, output, req, "oneshot")
 
 
-@dataclass
-class Result:
-    reasoning: str | None = None
-    content: str | None = None
-    calls: list = field(default_factory=list)  # [(name, arguments)]
+def stream(tok, output, req, mode="tokens", parts=None, name="glm47", **kwargs):
+    """Stream ``output`` (or explicit ``parts``: (text, ids) chunks); returns the result and each call's
+    argument pieces, after checking the tool-call delta protocol."""
+    got = run(pipeline(tok, name, **kwargs), tok, output, req, mode, parts)
+    assert not got.errors, got.errors
+    return got, got.pieces
 
 
-def call(name, **arguments):
-    return (name, json.dumps(arguments, ensure_ascii=False))
-
-
-def parse(tok, output, req, **kwargs):
-    reasoning, content, calls = composed(tok, req, **kwargs).parse(output, req, enable_auto_tools=True)
-    return Result(reasoning, content, [(c.name, c.arguments) for c in calls or []])
-
-
-def chunks(tok, output, mode):
-    if mode == "chars":
-        return [(ch, []) for ch in output]
-    stream = DecodeStream(skip_special_tokens=False)
-    return [(stream.step(tok._tokenizer, t) or "", [t]) for t in tok.encode(output, add_special_tokens=False)]
-
-
-def stream(tok, output, req, mode="tokens", parts=None, **kwargs):
-    """Stream ``output`` (or explicit ``parts``: (text, ids) chunks) and assemble the deltas, checking the
-    tool-call delta protocol on the way. Returns the result and each call's argument pieces."""
-    parser = composed(tok, req, **kwargs)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
-    parts = parts if parts is not None else chunks(tok, output, mode)
-    reasoning, content, calls, pieces = "", "", {}, {}
-    for i, (text, ids) in enumerate(parts):
-        delta = parser.parse_delta(text, ids, req, prompt_token_ids=prompt, finished=i == len(parts) - 1)
-        if delta is None:
-            continue
-        reasoning += delta.reasoning or ""
-        content += delta.content or ""
-        for tc in delta.tool_calls:
-            if tc.index not in calls:  # a call's first delta: index, id, type and name
-                assert tc.id and tc.type == "function" and tc.function.name, tc
-                assert tc.index == len(calls)
-                calls[tc.index] = [tc.function.name, ""]
-                pieces[tc.index] = []
-            else:
-                assert tc.id is None and tc.function.name is None
-            if tc.function.arguments:
-                calls[tc.index][1] += tc.function.arguments
-                pieces[tc.index].append(tc.function.arguments)
-    return Result(reasoning or None, content or None, [tuple(c) for c in calls.values()]), pieces
-
-
-def agree(tok, output, req, expected, **kwargs):
-    """Non-streaming gives ``expected``; both streamings give the same (content modulo the leading
-    whitespace only non-streaming strips when calls were made)."""
-    assert parse(tok, output, req, **kwargs) == expected
-    for mode in ("chars", "tokens"):
-        got, _ = stream(tok, output, req, mode, **kwargs)
-        if expected.calls and got.content is not None and got.content.strip():
-            got.content = got.content.lstrip()
-        assert got == expected, mode
+def agree(tok, output, req, expected, name="glm47", **kwargs):
+    """One-shot gives ``expected``; streaming in chunks of 1, 3 and 7 characters and token by token gives
+    the same (content modulo the leading whitespace only one-shot strips when calls were made)."""
+    agree_modes(pipeline(tok, name, **kwargs), tok, output, lambda: req, expected)
 
 
 REASONING_CASES = {
@@ -148,10 +105,10 @@ REASONING_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(REASONING_CASES))
-def test_reasoning(tok, name):
-    output, expected = REASONING_CASES[name]
-    agree(tok, output, request(tool_choice="auto"), expected)
+@pytest.mark.parametrize("case", list(REASONING_CASES))
+def test_reasoning(tok, name, case):
+    output, expected = REASONING_CASES[case]
+    agree(tok, output, request(tool_choice="auto"), expected, name=name)
 
 
 W = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>{}</arg_value></tool_call>"
@@ -269,10 +226,10 @@ TOOL_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(TOOL_CASES))
-def test_tool_calls(tok, name):
-    output, expected = TOOL_CASES[name]
-    agree(tok, output, request(tool_choice="auto"), expected)
+@pytest.mark.parametrize("case", list(TOOL_CASES))
+def test_tool_calls(tok, name, case):
+    output, expected = TOOL_CASES[case]
+    agree(tok, output, request(tool_choice="auto"), expected, name=name)
 
 
 def test_duplicate_key_keeps_both_last_wins_on_load(tok):
@@ -290,11 +247,80 @@ def test_tool_choice_none_consumes_markup(tok):
     agree(tok, output, request(tool_choice="none"), Result("r", "A  B"))
     # A call left open at the end is closed by the final flush: it must not slip out either.
     agree(tok, "r</think>A" + W.format("Paris")[:-12], request(tool_choice="none"), Result("r", "A"))
+    # No call is returned, so the text around the markup is not trimmed (as vLLM does).
+    agree(tok, "r</think>Wait. " + W.format("Paris") + "\n", request(tool_choice="none"), Result("r", "Wait. \n"))
 
 
 def test_request_without_tools_defaults_to_none(tok):
+    # vLLM's serving layer discards the calls of a tool-less request (its tool_choice defaults to "none")
+    # and keeps the content the tool parser returns: the markup is consumed, the text kept.
     output = "r</think>Sure." + W.format("Paris")
     agree(tok, output, request(tools=None), Result("r", "Sure."))
+    # A call still open at the end of such a stream must not slip out in the final flush either (vLLM's
+    # own parser leaks a nameless '"}' delta there).
+    agree(tok, "r</think>Sure." + W.format("Paris")[:-12], request(tools=None), Result("r", "Sure."))
+
+
+GLM45_LAYOUT = (
+    "<tool_call>get_weather\n    <arg_key>city</arg_key>\n    <arg_value>Beijing</arg_value>\n"
+    "    <arg_key>days</arg_key>\n    <arg_value>3</arg_value>\n    </tool_call>"
+)
+
+
+@pytest.mark.parametrize(
+    "output, expected",
+    [
+        (GLM45_LAYOUT, Result(None, None, [call("get_weather", city="Beijing", days="3")])),
+        (
+            "Let me check." + GLM45_LAYOUT,
+            Result(None, "Let me check.", [call("get_weather", city="Beijing", days="3")]),
+        ),
+        (
+            GLM45_LAYOUT + "\n" + GLM45_LAYOUT.replace("Beijing", "Paris"),
+            Result(
+                None, None, [call("get_weather", city="Beijing", days="3"), call("get_weather", city="Paris", days="3")]
+            ),
+        ),
+        ("<tool_call>get_current_time\n</tool_call>", Result(None, None, [call("get_current_time")])),
+        # Cut off by max_tokens: the call is closed with what was generated (vLLM 0.32 does the same for a
+        # closed value; its parser drops an unclosed one, ours keeps it).
+        (
+            GLM45_LAYOUT.split("\n    </tool_call>")[0],
+            Result(None, None, [call("get_weather", city="Beijing", days="3")]),
+        ),
+        (GLM45_LAYOUT.split("jing")[0], Result(None, None, [call("get_weather", city="Bei")])),
+    ],
+    ids=["glm45_layout", "text_before", "two_calls", "no_arguments_newline", "cut_after_value", "cut_in_value"],
+)
+def test_tool_parser_alone_returns_calls_of_a_request_without_tools(tok, output, expected):
+    # The tool parser alone, as vLLM's own tests and direct users drive it: a request without tools (so its
+    # tool_choice is the default "none") still gets its calls, every value a string, any name accepted.
+    for mode in ("oneshot", *STREAM_MODES):
+        got = run_tool_parser(Glm47ToolParser, tok, output, request(tools=None), mode)
+        assert not getattr(got, "errors", None), (mode, got.errors)
+        assert streamed_as_oneshot(got, mode) == expected, mode
+
+
+@pytest.mark.parametrize(
+    "output, expected",
+    [
+        ("r</think>x<think>y</think>z", Result("ry", "xz")),
+        ("r</think>a</think>b", Result("r", "ab")),
+        ("<think>r \n</think>a<think>b\n", Result("rb", "a")),
+        ("r</think>" + W.format("P") + "<think>m</think>D", Result("rm", W.format("P") + "D")),
+        (
+            "r<tool_call>f<arg_value><think>x</think></arg_value></tool_call>",
+            Result("r", "<tool_call>f<arg_value><think>x</think></arg_value></tool_call>"),
+        ),
+    ],
+    ids=["reopened", "second_close", "reopened_until_the_end", "after_a_call", "tags_inside_a_call"],
+)
+def test_reasoning_parser_alone_streams_as_it_parses(tok, output, expected):
+    # A reopened <think> is reasoning again and a second </think> is dropped, streamed as in one shot (a
+    # caller that streams the whole output through the reasoning parser gets the one-shot result); tool
+    # calls pass through verbatim for the tool parser.
+    for mode in MODES:
+        assert run_reasoning_parser(Glm47ReasoningParser, tok, output, mode) == expected, mode
 
 
 def test_named_tool_choice_keeps_only_that_function(tok):
@@ -439,7 +465,7 @@ def test_reasoning_parser_with_a_legacy_tool_parser(tok):
     cls = ParserManager.get_parser(
         tool_parser_name="hermes", reasoning_parser_name="glm47", enable_auto_tools=True, tokenizer=tok
     )
-    for mode in ("chars", "tokens"):
+    for mode in STREAM_MODES:
         parser = cls(tok, req.tools, chat_template_kwargs={})
         reasoning = content = ""
         parts = chunks(tok, "plan</think>Answer", mode)
@@ -457,7 +483,7 @@ def test_argument_deltas_grow_the_final_json(tok):
         "<arg_value>aisle please, near the front</arg_value></tool_call>"
     )
     req = request(tool_choice="auto")
-    for mode in ("chars", "tokens"):
+    for mode in STREAM_MODES:
         got, pieces = stream(tok, output, req, mode)
         args = pieces[0]
         assert json.loads("".join(args)) == {"seats": 35, "note": "aisle please, near the front"}
@@ -468,7 +494,7 @@ def test_argument_deltas_grow_the_final_json(tok):
 
 def test_include_reasoning_false_hides_reasoning(tok):
     req = request(tool_choice="auto", include_reasoning=False)
-    for mode in ("chars", "tokens"):
+    for mode in STREAM_MODES:
         got, _ = stream(tok, "secret plan</think>Answer", req, mode)
         assert got == Result(None, "Answer")
 

@@ -4,11 +4,12 @@ joined, are the non-streaming result:
 
 - reasoning: each thinking block's trailing whitespace is held back and dropped where the block ends;
 - content: trailing whitespace is held back until more text follows; at the end it is dropped if the turn
-  made a tool call (non-streaming content is ``strip()``-ed then) and emitted otherwise;
+  returned a tool call (non-streaming content is ``strip()``-ed then) and emitted otherwise;
 - tool-call arguments stream as successive pieces of the final JSON object text.
 
 Output format (GLM-4.5 / 4.7 / 5.x): ``<think>`` reasoning ``</think>`` content, tool calls as
-``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``. Malformed markup never
+``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>``, with any whitespace or
+newlines between the name and the tags (GLM-4.5/4.6 indent every tag on its own line). Malformed markup never
 raises: a stray tag outside a call stays content, junk between argument tags is ignored, a call whose name
 is missing or not allowed is consumed silently, and missing closers are implied (``</arg_value>`` by the
 next ``<arg_key>`` or the end of the call, ``</tool_call>`` by the next ``<tool_call>`` or the end of output).
@@ -88,17 +89,17 @@ class _WhitespaceHold:
 
 
 class ReasoningSplitter:
-    """Reasoning versus everything else, for the reasoning parser.
+    """Reasoning versus everything else, for the reasoning parser, one-shot and streamed alike.
 
     The turn starts inside reasoning (the prompt ends with ``<think>``; a leading ``<think>`` is ignored).
     ``</think>`` ends it, and so does ``<tool_call>`` (a call is an implicit end of thinking; the call
-    itself is content). With ``stop_at_end`` (streaming) everything after the end is passed on verbatim for
-    the tool parser; otherwise later ``<think>…</think>`` blocks outside tool calls are reasoning too and a
-    stray ``</think>`` is dropped.
+    itself is content). After that, a later ``<think>…</think>`` block outside tool calls is reasoning too
+    and a stray ``</think>`` is dropped, as vLLM's GLM parser does; tool calls pass through verbatim for the
+    tool parser, tags inside them included. ``ended`` tells vLLM's composed parser that the first reasoning
+    block is over (it then feeds the rest of the output to the tool parser, which applies the same rules).
     """
 
-    def __init__(self, stop_at_end: bool) -> None:
-        self._stop_at_end = stop_at_end
+    def __init__(self) -> None:
         self._state = REASONING
         self._hold = _WhitespaceHold()
         self.ended = False
@@ -111,8 +112,6 @@ class ReasoningSplitter:
                 continue
             if self._state == REASONING:
                 self._reasoning(piece, tag, out)
-            elif self._stop_at_end:
-                out.content += piece
             elif self._state == CONTENT and tag == THINK_START:
                 self._state = REASONING
             elif self._state == CONTENT and tag == THINK_END:
@@ -187,6 +186,12 @@ class CallExtractor:
         self._reasoning = _WhitespaceHold()
         self.calls_made = 0  # calls with a valid name, returned or not
 
+    @property
+    def calls_returned(self) -> int:
+        """Calls the caller gets. Content is trimmed only when there are some: under ``tool_choice="none"``
+        the text around consumed markup is kept as it came (vLLM does the same)."""
+        return self.calls_made if self._emit_calls else 0
+
     def feed(self, pieces: Iterable[Piece]) -> Update:
         out = Update()
         for piece in pieces:
@@ -207,7 +212,7 @@ class CallExtractor:
             self._close_call(out)
         self._reasoning.take()
         held = self._content.take()
-        if not self.calls_made and (self._blank_content or self._content_started):
+        if not self.calls_returned and (self._blank_content or self._content_started):
             out.content += held
         return out
 

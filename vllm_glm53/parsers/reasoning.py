@@ -8,8 +8,9 @@ GLM-5.3 format has no thinking switch, and turning extraction off would pour the
 ``</think>`` into the answer. The switch is honoured only for tokenizers whose chat template has one
 (GLM-4.5/4.7, whose prompt then closes the thinking block itself).
 
-Streaming works on deltas (``engine_based_streaming``); once reasoning has ended, the rest of the delta is
-handed over verbatim and vLLM switches to the tool parser.
+Streaming works on deltas (``engine_based_streaming``) with the rules of the one-shot path, so a caller that
+streams the whole output through this parser gets the one-shot result. Inside vLLM's composed parser, once
+reasoning has ended, vLLM hands the rest of the output to the tool parser, which applies the same rules.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Glm47ReasoningParser(_vllm.ReasoningParser):
         self._turn_starts = frozenset(vocab[t] for t in _TURN_STARTS if t in vocab)
         self._thinking = thinking_enabled(tokenizer, kwargs.get("chat_template_kwargs"))
         self._lexer = TagLexer(self._ids_to_tags, self._decode)
-        self._splitter = ReasoningSplitter(stop_at_end=True)
+        self._splitter = ReasoningSplitter()
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.model_tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -121,7 +122,7 @@ class Glm47ReasoningParser(_vllm.ReasoningParser):
         if not self._thinking:
             return None, model_output
         lexer = TagLexer(self._ids_to_tags, self._decode)
-        splitter = ReasoningSplitter(stop_at_end=False)
+        splitter = ReasoningSplitter()
         result = splitter.feed(lexer.feed(model_output) + lexer.flush())
         splitter.finish()
         return result.reasoning or None, result.content or None

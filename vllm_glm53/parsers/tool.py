@@ -7,9 +7,15 @@
 Streaming works on deltas alone (``engine_based_streaming``: vLLM passes only the new text and token ids,
 and calls ``finish_streaming`` at the end). A call's first delta carries its index, id and name, the
 argument deltas are successive pieces of the final JSON text, and the closing brace comes when the call
-ends. Tool choices: ``none`` consumes the markup and returns no calls; ``auto`` and ``required`` parse the
-same way (generation is constrained to the call syntax by vLLM's ``glm_4_7`` structural tag, not by the
-parser); a named choice returns only calls to that function.
+ends. Tool choices: ``none`` consumes the markup and returns no calls (for a request that declares tools;
+vLLM's serving layer discards the calls of a tool-less one itself); ``auto`` and ``required`` parse the same
+way (generation is constrained to the call syntax by vLLM's ``glm_4_7`` structural tag, not by the parser); a
+named choice returns only calls to that function.
+
+Results equal vLLM 0.32's GLM parser's except where that one loses output (``tests/test_parsers_vllm_diff.py``
+lists each case): text after a call stays content; streamed content is the one-shot content; malformed or
+truncated markup keeps what it carried (missing closers implied, a stray opener inside a call ignored, a value
+cut off by ``max_tokens`` kept); tags inside a value are text; object/array members are typed by the schema.
 """
 
 from __future__ import annotations
@@ -52,8 +58,14 @@ def named_choice(tool_choice: Any) -> str | None:
 
 
 def extractor_for(request: Any, fallback_tools: Sequence[Any] | None = None, reasoning_markup: bool = True):
-    """A ``CallExtractor`` configured by the request's tools and ``tool_choice``."""
-    schemas = tool_schemas(getattr(request, "tools", None) or fallback_tools)
+    """A ``CallExtractor`` configured by the request's tools and ``tool_choice``.
+
+    ``tool_choice="none"`` suppresses calls only when the request declares tools, as in vLLM: a request
+    without tools defaults to ``"none"``, and the tool parser alone must still return the calls of such a
+    request (vLLM's serving layer discards them itself, keeping the content the parser returns).
+    """
+    request_tools = getattr(request, "tools", None)
+    schemas = tool_schemas(request_tools or fallback_tools)
     tool_choice = getattr(request, "tool_choice", None)
     forced = named_choice(tool_choice)
 
@@ -71,7 +83,7 @@ def extractor_for(request: Any, fallback_tools: Sequence[Any] | None = None, rea
     return CallExtractor(
         properties_of,
         allowed,
-        emit_calls=tool_choice != "none",
+        emit_calls=not (tool_choice == "none" and request_tools),
         reasoning_markup=reasoning_markup,
         blank_content=tool_choice != "required" and forced is None,
     )
@@ -96,7 +108,8 @@ class Glm47ToolParser(_vllm.ToolParser):
     def __init__(self, tokenizer: Any, tools: list[Any] | None = None, **_: Any) -> None:
         super().__init__(tokenizer, tools)
         self._ids_to_tags = tag_ids(self.vocab)
-        self._stream: tuple[TagLexer, CallExtractor] | None = None
+        self._stream: tuple[TagLexer, CallExtractor, bool] | None = None  # lexer, extractor, tool_choice none
+        self._last_calls_delta: Any = None  # the last streamed delta that carried tool calls
 
     def _lexer(self) -> TagLexer:
         return TagLexer(self._ids_to_tags, self._decode)
@@ -115,7 +128,7 @@ class Glm47ToolParser(_vllm.ToolParser):
         lexer = self._lexer()
         extractor = extractor_for(request, self.tools, not self.skip_reasoning_parsing)
         result = extractor.feed(lexer.feed(model_output) + lexer.flush()) + extractor.finish()
-        content = result.content.strip() if extractor.calls_made else result.content
+        content = result.content.strip() if extractor.calls_returned else result.content
         calls: dict[int, list[str]] = {}  # index -> [name, arguments]
         for call in result.calls:
             entry = calls.setdefault(call.index, [call.name or "", ""])
@@ -140,16 +153,27 @@ class Glm47ToolParser(_vllm.ToolParser):
         request: Any,
     ) -> Any:
         if self._stream is None:
-            self._stream = (self._lexer(), extractor_for(request, self.tools, not self.skip_reasoning_parsing))
-        lexer, extractor = self._stream
+            extractor = extractor_for(request, self.tools, not self.skip_reasoning_parsing)
+            self._stream = (self._lexer(), extractor, getattr(request, "tool_choice", None) == "none")
+        lexer, extractor, _ = self._stream
         return self._delta(extractor.feed(lexer.feed(delta_text, delta_token_ids)))
 
     def finish_streaming(self) -> Any:
-        """End of output: close what is open (a call missing ``</tool_call>``), settle held whitespace."""
+        """End of output: close what is open (a call missing ``</tool_call>``), settle held whitespace.
+
+        Under ``tool_choice="none"`` vLLM's composed parser clears the tool calls of every streamed delta but
+        not of this last one, which would hand the client a call (or a nameless piece of one) it must not get.
+        So under ``"none"`` this delta starts no new call, and it continues none when the caller cleared the
+        calls of our earlier deltas; a caller that kept them (the tool parser driven alone, for a request
+        without tools) gets its open call closed."""
         if self._stream is None:
             return None
-        lexer, extractor = self._stream
-        return self._delta(extractor.feed(lexer.flush()) + extractor.finish())
+        lexer, extractor, choice_none = self._stream
+        update = extractor.feed(lexer.flush()) + extractor.finish()
+        if choice_none:
+            calls_discarded = self._last_calls_delta is not None and not self._last_calls_delta.tool_calls
+            update.calls = [c for c in update.calls if c.name is None and not calls_discarded]
+        return self._delta(update)
 
     def _delta(self, update: Update) -> Any:
         if not update:
@@ -173,6 +197,9 @@ class Glm47ToolParser(_vllm.ToolParser):
                 )
             self.streamed_args_for_tool[call.index] += call.arguments
             self.prev_tool_call_arr[call.index]["arguments"] = self.streamed_args_for_tool[call.index]
-        return _vllm.DeltaMessage(
+        message = _vllm.DeltaMessage(
             reasoning=update.reasoning or None, content=update.content or None, tool_calls=tool_calls
         )
+        if tool_calls:
+            self._last_calls_delta = message  # finish_streaming checks whether the caller kept its calls
+        return message
