@@ -13,8 +13,14 @@ Where the upstream projects disagree, the expectation is vLLM 0.32's behaviour o
 """
 
 import json
+from unittest.mock import Mock
 
 import pytest
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionToolsParam,
+    FunctionDefinition,
+)
 
 import vllm_glm53
 from parser_harness import (
@@ -442,3 +448,38 @@ def test_served(tok, name, case_id):
         parts = [("</think>", [])] + [(c, []) for c in spec["chunks"]] if mode == "upstream" else None
         got = run(cls, tok, "</think>" + spec["output"], request(TOOLS, tool_choice="auto"), mode, parts)
         check(got, expected, mode)
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", None], ids=["auto", "unset"])
+def test_mock_requests_as_upstream_tests_build_them(tok, tool_choice):
+    # vLLM's own parser tests pass ``Mock(spec=ChatCompletionRequest)`` with only ``tools`` (and maybe
+    # ``tool_choice``) set; every other attribute is a Mock. The parser must read such a request as "auto",
+    # and keep vLLM's per-call bookkeeping (``prev_tool_call_arr``, ``streamed_args_for_tool``) that the
+    # serving layer reads at the end of a stream.
+    req = Mock(spec=ChatCompletionRequest)
+    req.tools = [
+        ChatCompletionToolsParam(
+            function=FunctionDefinition(name="get_weather", parameters=TOOLS[0]["function"]["parameters"])
+        )
+    ]
+    if tool_choice is not None:
+        req.tool_choice = tool_choice
+    spec = CASES["v47_args_with_newlines"]
+    tool_cls = pipeline(tok, "glm47").tool_parser_cls
+    for mode in MODES:
+        check(run_tool_parser(tool_cls, tok, spec["output"], req, mode), spec["expected"], mode)
+    parser = tool_cls(tok, req.tools)
+    for text in [
+        "<tool_call>",
+        "get_weather\n",
+        "<arg_key>city</arg_key>",
+        "<arg_value>",
+        "Beijing",
+        "</arg_value>",
+        "</tool_call>",
+    ]:
+        parser.extract_tool_calls_streaming("", "", text, [], [], [], req)
+    assert [entry["name"] for entry in parser.prev_tool_call_arr] == ["get_weather"]
+    assert json.loads(parser.prev_tool_call_arr[0]["arguments"]) == {"city": "Beijing"}
+    assert parser.streamed_args_for_tool == [parser.prev_tool_call_arr[0]["arguments"]]
+    assert parser.get_remaining_unstreamed_args() == ""
