@@ -16,6 +16,9 @@ Stages (each prints PASS / FAIL / SKIP lines; the exit code is 1 if anything fai
      --checkpoint is given): the kernel-friendly tiny checkpoint (real head sizes) generated greedily through
      vLLM on this GPU with the CUDA backends and with the CPU backends' ops (VLLM_GLM53_BACKEND=cpu); the
      tokens must agree, and agree with --expected (made by --make-expected on a CPU machine) when given.
+  4. vLLM's own model (issue #15; needs vLLM with CUDA): on the same checkpoint, vLLM's GLM5Next (what serves on a
+     GPU by default) vs the plugin's model forced with VLLM_GLM53_MODEL=plugin, greedy tokens and logprobs in a
+     table; then `vllm serve` with the plugin's tokenizer mode and parsers in front of vLLM's model, one chat.
 Without a CUDA device the script prints why and exits 0.
 
 On the H200 lent to this project (no network, torch and Triton preinstalled, no fla-core, no vLLM): carry
@@ -316,14 +319,15 @@ def e2e_prompts(checkpoint: Path) -> list[list[int]]:
     return [torch.randint(10, min(vocab, 470), (n,), generator=gen).tolist() for n in E2E_PROMPT_LENGTHS]
 
 
-def generate(checkpoint: Path, backend: str, engine: dict) -> list[dict]:
+def generate(checkpoint: Path, backend: str, engine: dict, model: str = "plugin") -> list[dict]:
+    """Greedy outputs of ``model`` (VLLM_GLM53_MODEL: ``plugin`` with the given op ``backend``, or ``vllm``)."""
     spec = {"model": str(checkpoint), "prompts": e2e_prompts(checkpoint),
             "max_tokens": [E2E_MAX_TOKENS] * len(E2E_PROMPT_LENGTHS), "ignore_eos": True, "logprobs": 1,
             "engine": engine}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_GLM53_BACKEND": backend, "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "VLLM_GLM53_BACKEND": backend, "VLLM_GLM53_MODEL": model, "HF_HUB_OFFLINE": "1"}
         proc = subprocess.run([sys.executable, "tests/engine_runner.py", str(spec_path), str(out_path)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
         if proc.returncode != 0:
@@ -372,6 +376,74 @@ def stage_e2e(args) -> None:
     if args.expected and "cuda" in runs:
         want = json.loads(Path(args.expected).read_text())["outputs"]
         check("e2e", "tokens: GPU == vLLM on CPU", lambda: compare_tokens(runs["cuda"], want, "gpu/cpu-engine"))
+    stage_vllm_model(checkpoint, runs.get("cuda"))
+
+
+def stage_vllm_model(checkpoint: Path, plugin_runs: list[dict] | None) -> None:
+    """Issue #15: on a GPU vLLM's own GLM5Next serves (VLLM_GLM53_MODEL=auto); the plugin only completes it.
+    Greedy tokens and logprobs of vLLM's model vs the plugin's (forced) on one checkpoint, as a table; then
+    ``vllm serve`` with the plugin's tokenizer mode and parsers in front of vLLM's model, one chat request."""
+    engine = {"dtype": "bfloat16", "max_model_len": 1024, "gpu_memory_utilization": 0.3}
+    runs: dict[str, list[dict]] = {}
+
+    def run(model):
+        def go():
+            runs[model] = generate(checkpoint, "cuda", engine, model=model)
+            return f"{len(runs[model])} prompts"
+        return go
+
+    check("vllm-model", "vLLM's own GLM5Next (bf16)", run("vllm"))
+    check("vllm-model", "the plugin's model (bf16, forced)", run("plugin"))
+    if len(runs) == 2:
+        print(f"{'prompt':>8} {'tokens equal':>13} {'first diff':>10} {'max |dlogprob| before it':>26}")
+        for n, a, b in zip(E2E_PROMPT_LENGTHS, runs["vllm"], runs["plugin"]):
+            same = [x == y for x, y in zip(a["token_ids"], b["token_ids"])]
+            first = same.index(False) if not all(same) else len(same)
+            gap = max((abs(x - y) for x, y in zip(a["logprobs"][:first], b["logprobs"][:first])), default=0.0)
+            print(f"{n:>8} {sum(same):>6}/{len(same):<6} {first:>10} {gap:>26.4f}")
+        # bf16 on different kernels: a greedy flip on a near-tie is possible; report, and fail on an early one
+        check("vllm-model", "vLLM's model vs the plugin's: first 8 tokens equal",
+              lambda: compare_tokens([dict(r, token_ids=r["token_ids"][:8]) for r in runs["vllm"]],
+                                     [dict(r, token_ids=r["token_ids"][:8]) for r in runs["plugin"]], "vllm/plugin"))
+    check("vllm-model", "vllm serve: glm5_next tokenizer mode + parsers over vLLM's model",
+          lambda: serve_chat(checkpoint))
+
+
+def serve_chat(checkpoint: Path) -> str:
+    """Start ``vllm serve`` (vLLM's own model, the plugin's front-end), send one chat request with a tool and
+    reasoning_effort, and check the response parses; stops the server."""
+    import urllib.request
+
+    from vllm_glm53.demo import Server, free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(checkpoint), "--port", str(port),
+            "--tokenizer-mode", "glm5_next", "--tool-call-parser", "glm47", "--reasoning-parser", "glm47",
+            "--enable-auto-tool-choice", "--max-model-len", "1024", "--gpu-memory-utilization", "0.3"]
+    server = Server(argv, {"VLLM_GLM53_MODEL": "auto", "HF_HUB_OFFLINE": "1"}, echo=False)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(2)
+        else:
+            raise RuntimeError("server did not become healthy:\n" + "\n".join(server.lines[-40:]))
+        served = [l for l in server.lines if "GLM-5.3 is served by" in l]
+        if not served or "vLLM's own GLM5Next" not in served[0]:
+            raise AssertionError(f"expected vLLM's own model to serve: {served}")
+        body = {"model": str(checkpoint), "max_tokens": 16, "reasoning_effort": "high",
+                "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                    "type": "object", "properties": {"city": {"type": "string"}}}}}]}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        return f"finish_reason {reply['choices'][0]['finish_reason']}, served by vLLM's model"
+    finally:
+        server.stop()
 
 
 def make_expected(out_dir: Path) -> int:
