@@ -103,6 +103,7 @@ def prepared(cls, tok, req):
     chat_kwargs = req.build_chat_params(None, "auto").chat_template_kwargs
     parser = cls(tok, req.tools, chat_template_kwargs=chat_kwargs)
     parser.adjust_request(req)
+    assert req.skip_special_tokens is False  # the tags are special tokens: they must reach the parser
     return parser
 
 
