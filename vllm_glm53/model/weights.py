@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from vllm_glm53._vllm import default_weight_loader
+from vllm_glm53.checkpoint_names import canonical_name
 from vllm_glm53.quant.fp8 import BlockFp8Weight, Fp8Pairing, block_fp8_parts
 from vllm_glm53.quant.w8a8 import MTP_ROTATION
 
@@ -44,13 +45,6 @@ _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)$")
 _CONV = re.compile(r"self_attn\.([qkv])_conv1d\.weight$")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_offset)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-def canonical_name(name: str) -> str:
-    """Nested and flat checkpoints name the text model differently; use the flat names."""
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
-    return name
 
 
 class WeightLoader:

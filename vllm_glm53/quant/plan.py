@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from vllm_glm53 import _vllm
+from vllm_glm53.checkpoint_names import canonical_name
 from vllm_glm53.quant import w8a8
 from vllm_glm53.quant.fp8 import SCALE_SUFFIX
 
@@ -55,12 +56,6 @@ class CheckpointQuant:
     hf_quant_config: dict = field(default_factory=dict)
 
 
-def canonical(name: str) -> str:
-    from vllm_glm53.model.weights import canonical_name
-
-    return canonical_name(name)
-
-
 def read_checkpoint_quant(model_config, fp8_names: bool = True) -> CheckpointQuant | None:
     """Inspect the checkpoint of ``model_config`` (config files and tensor names only, no weights).
 
@@ -68,7 +63,7 @@ def read_checkpoint_quant(model_config, fp8_names: bool = True) -> CheckpointQua
     """
     description = _vllm.read_model_json(model_config, w8a8.DESCRIPTION_FILE)
     if description:
-        return CheckpointQuant("w8a8", frozenset(canonical(m) for m in w8a8.quantized_modules(description)))
+        return CheckpointQuant("w8a8", frozenset(canonical_name(m) for m in w8a8.quantized_modules(description)))
     hf_config = model_config.hf_config
     hf_quant = getattr(hf_config, "quantization_config", None) or getattr(
         getattr(hf_config, "text_config", None), "quantization_config", None)
@@ -76,7 +71,7 @@ def read_checkpoint_quant(model_config, fp8_names: bool = True) -> CheckpointQua
         hf_quant = hf_quant.to_dict()
     if hf_quant and hf_quant.get("quant_method") == "fp8":
         names = checkpoint_tensor_names(model_config) if fp8_names else set()
-        fp8 = frozenset(canonical(n[: -len(SCALE_SUFFIX)]) for n in names if n.endswith(SCALE_SUFFIX))
+        fp8 = frozenset(canonical_name(n[: -len(SCALE_SUFFIX)]) for n in names if n.endswith(SCALE_SUFFIX))
         return CheckpointQuant("fp8", fp8, dict(hf_quant))
     return None
 
