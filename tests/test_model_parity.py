@@ -19,8 +19,11 @@ LOGPROB_ATOL = 2e-4
 
 
 def assert_parity(got, want, atol=LOGPROB_ATOL):
+    assert len(got) == len(want), f"{len(got)} outputs for {len(want)} prompts"
     for i, (g, w) in enumerate(zip(got, want)):
         assert g["token_ids"] == w["token_ids"], f"prompt {i}: vLLM {g['token_ids']} != transformers {w['token_ids']}"
+        # one logprob per generated token on both sides, so the comparison below covers every token
+        assert len(g["logprobs"]) == len(w["logprobs"]) == len(w["token_ids"]), f"prompt {i}: logprob counts"
         diffs = [abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"])]
         assert max(diffs) < atol, f"prompt {i}: logprob differences {diffs}"
 

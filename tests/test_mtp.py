@@ -37,6 +37,7 @@ def test_speculation_keeps_greedy_outputs(reference, method, n):
     path, prompts, want = reference
     got, metrics = run_engine(path, prompts, MAX_TOKENS, metrics=True, engine={
         "max_num_seqs": 4, "speculative_config": {"method": method, "num_speculative_tokens": n}})
+    assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g["token_ids"] == w["token_ids"], f"prompt {i} with {method} n={n}"
     assert metrics["vllm:spec_decode_num_drafts"] > 0  # speculation really ran

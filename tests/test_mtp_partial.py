@@ -160,3 +160,93 @@ def test_kda_state_after_k_accepted_drafts_equals_sequential(kda_layer, k):
         torch.testing.assert_close(state[spec_slots[i]], states2[k + 1 + i][1], rtol=0, atol=ATOL)
     torch.testing.assert_close(conv[plain_slot], other_states[1][0], rtol=0, atol=ATOL)
     torch.testing.assert_close(state[plain_slot], other_states[1][1], rtol=0, atol=ATOL)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Engine level: an intact target model whose MTP drafts are a known function of the token
+# ---------------------------------------------------------------------------------------------------------
+
+# Embeddings scaled up so that the (intact, random) target's next token often, but not always, is the one its
+# embedding alone points to: measured on the default tiny checkpoint, 33 of 87 consecutive greedy pairs follow
+# it, and the 3-draft rounds of the prompts below accept 0, 1, 2 and 3 drafts. At scale 1 or 4 none do.
+EMBED_SCALE = 16.0
+SPEC_PROMPTS = [5, 30, 120]
+SPEC_TOKENS = 24
+
+
+def _make_token_function_mtp(path):
+    """Edit a nested float32 checkpoint in place: embeddings x ``EMBED_SCALE`` (the target stays a whole model),
+    and an MTP layer that drafts ``f(token) = argmax lm_head(final_norm(token's embedding))``: ``eh_proj`` passes
+    the normed embedding through and ignores the hidden state, the block's attention and MoE output projections
+    are zero, ``shared_head.norm`` is the final norm. Returns ``f`` as a tensor ``[vocab]``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((path / "config.json").read_text())["text_config"]
+    t = load_file(str(path / "model.safetensors"))
+    emb, norm = "model.language_model.embed_tokens.weight", "model.language_model.norm.weight"
+    mtp = f"model.language_model.layers.{cfg['num_hidden_layers']}."
+    t[emb] = t[emb] * EMBED_SCALE
+    for name in t:
+        if name.startswith(mtp) and name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
+            t[name] = torch.zeros_like(t[name])
+    d = cfg["hidden_size"]
+    t[mtp + "eh_proj.weight"] = torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1)
+    t[mtp + "enorm.weight"] = torch.ones(d)
+    t[mtp + "shared_head.norm.weight"] = t[norm].clone()
+    save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+    def rms(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"])
+
+    # enorm, then shared_head.norm of the unchanged residual: two RMSNorms, the second weighted
+    return (rms(rms(t[emb].float())) * t[norm].float() @ t["lm_head.weight"].float().t()).argmax(-1)
+
+
+def _expected_rounds(f, first, future, n_drafts, max_tokens):
+    """vLLM's draft/verify loop on a known greedy continuation: after the prefill's token, each round drafts
+    ``f`` applied 1..N times to the last token, accepts the longest prefix matching the continuation, and emits
+    the accepted tokens plus one; the request stops at ``max_tokens`` (a last round's extra accepted tokens
+    still count). Returns the accepted count of every round."""
+    out, rounds = [first], []
+    while len(out) < max_tokens:
+        drafts, x = [], out[-1]
+        for _ in range(n_drafts):
+            x = int(f[x])
+            drafts.append(x)
+        a = 0
+        while a < n_drafts and drafts[a] == future[len(out) + a]:
+            a += 1
+        rounds.append(a)
+        out += future[len(out) : len(out) + a + 1]
+    return rounds
+
+
+@pytest.mark.engine
+def test_partly_right_drafts_keep_outputs_and_are_accepted_exactly(tiny_ckpt, tmp_path):
+    import shutil
+
+    from conftest import hf_greedy, hf_model, prompt_set, run_engine
+
+    path = tmp_path / "token-function-mtp"
+    shutil.copytree(tiny_ckpt("default"), path)
+    f = _make_token_function_mtp(path)
+    prompts = prompt_set(path, SPEC_PROMPTS)
+    ref = hf_model(path)
+    ref.generation_config.eos_token_id = None  # the engine runs with ignore_eos
+    # N tokens past the end: a last round may accept drafts beyond max_tokens, and vLLM counts them.
+    want = hf_greedy(ref, prompts, SPEC_TOKENS + N_DRAFTS)
+    rounds = [r for w in want for r in _expected_rounds(f, w["token_ids"][0], w["token_ids"], N_DRAFTS,
+                                                         SPEC_TOKENS)]
+    # the point of this checkpoint: rounds that accept some but not all drafts, and the extremes
+    assert set(rounds) == set(range(N_DRAFTS + 1)), rounds
+
+    got, metrics = run_engine(path, prompts, SPEC_TOKENS, ignore_eos=True, metrics=True, engine={
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": N_DRAFTS}})
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g["token_ids"] == w["token_ids"][:SPEC_TOKENS], f"prompt {i}"
+    assert metrics["vllm:spec_decode_num_drafts"] == len(rounds)
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == N_DRAFTS * len(rounds)
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] == sum(rounds)
