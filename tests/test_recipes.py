@@ -518,7 +518,9 @@ def test_rust_frontend_is_rejected(monkeypatch):
             "env": {"VLLM_USE_RUST_FRONTEND": "1"}, "args": [],
             "features": {"tools": "default", "reasoning": "default"}}
     recipe = R.Recipe.from_dict("rust", data)
-    monkeypatch.setattr(R, "_load", lambda: {"rust": recipe})
+    from vllm_glm53.recipes import schema
+
+    monkeypatch.setattr(schema, "_load", lambda: {"rust": recipe})  # the catalogue select() reads
     with pytest.raises(R.RecipeError, match="rule python-frontend"):
         R.build("h200")
 

@@ -40,7 +40,7 @@ def test_who_serves(platform, choice, ascend, expected):
 
 @pytest.mark.parametrize("platform", ["cpu", "xpu", "npu"])
 def test_forcing_vllms_model_where_it_cannot_run_says_so(platform):
-    with pytest.raises(serving.ServingError, match=rf"VLLM_GLM53_MODEL=vllm.*cannot run"):
+    with pytest.raises(serving.ServingError, match=r"VLLM_GLM53_MODEL=vllm.*cannot run"):
         serving.decide(platform, "vllm", None)
 
 
