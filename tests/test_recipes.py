@@ -1,6 +1,6 @@
 """Deployment recipes: every command the builder prints is one the installed vLLM accepts and means what was asked.
 
-References: vLLM's own ``vllm serve`` parser, config classes and environment parsing (through ``_vllm``), the
+References: vLLM's own ``vllm serve`` parser, config classes and environment parsing (through ``vllm_glm53.testing``), the
 requested features and the documented flag formats, and bash itself for the printed scripts. No engine starts.
 """
 
@@ -26,16 +26,16 @@ POOL_OPTIONS = {"port", "kv_transfer_config", "compilation_config", "enforce_eag
 
 @pytest.fixture(scope="module")
 def cli():
-    from vllm_glm53 import _vllm
+    from vllm_glm53 import testing
 
-    return _vllm.ServeCli()  # built once: importing vLLM and adding ~400 options takes seconds
+    return testing.ServeCli()  # built once: importing vLLM and adding ~400 options takes seconds
 
 
 @pytest.fixture(scope="module")
 def vllm_env():
-    from vllm_glm53 import _vllm
+    from vllm_glm53 import testing
 
-    return _vllm
+    return testing
 
 
 def example_params(recipe: R.Recipe) -> dict[str, str]:

