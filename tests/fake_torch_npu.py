@@ -3,11 +3,22 @@
 The real ``torch_npu`` cannot even be imported without CANN (ascend.md §3), so tests put this module in
 ``sys.modules["torch_npu"]``. Each op checks the argument shapes, dtypes and group sizes that torch-npu's own
 meta registrations (``op_plugin/meta/_meta_registrations.py`` of torch-npu 2.14) enforce, and computes the
-result from the documented formats in plain float32 arithmetic:
+result from the documented formats in plain float32 arithmetic. The MX layout and arithmetic follow CANN's own
+operator documentation (repository hicann/ops-nn, mirrored from gitcode.com/cann/ops-nn), not our notes:
 
-* MX scales are E8M0 bytes (``2**(b - 127)``) in pairs along K: the scale of K-group ``g`` (32 elements) of row
-  ``r`` sits at ``[g // 2, r, g % 2]`` (weight, ``[ceil(K/64), N, 2]``) or ``[r, g // 2, g % 2]`` (activations,
-  ``[M, ceil(K/64), 2]``), ascend.md §2.2.
+* ``matmul/quant_batch_matmul_v4/docs/aclnnQuantMatmulV5_en.md``, "Restrictions on the mx quantization
+  scenario": mx full quantization takes FLOAT8_E4M3FN x1 ``(m, k)`` and x2 ``(k, n)`` (non-transposed), x1Scale
+  ``(m, ceil(k / 64), 2)``, x2Scale ``(ceil(k / 64), n, 2)``, FLOAT8_E8M0, ``[gsM, gsN, gsK] = [1, 1, 32]``, and
+  computes ``out[m, n] = sum_j (x1 . x2 over K-slice j) * x1Scale[m, j] * x2Scale[j, n]`` for the 32-element
+  K-slices j;
+* ``quant/dynamic_mx_quant/docs/aclnnDynamicMxQuant_en.md``: the scale output has ``rank(x) + 1`` dimensions,
+  ``ceil(ceil(x.shape[axis] / blocksize) / 2)`` on the quantized axis and 2 last, an odd group count padded with
+  0, and "when axis is not the last axis, the mxscaleOut output needs to interleave every two rows"; scaleAlg 0 is
+  ``2**(floor(log2 amax) - emax)`` (emax 8 for E4M3), scaleAlg 1 is ``amax / 448`` with its exponent rounded up.
+
+So the scale of K-slice ``g`` sits at ``[r, g // 2, g % 2]`` for activation row ``r`` (quantized along its last
+axis) and at ``[g // 2, n, g % 2]`` for weight column ``n`` (a ``(k, n)`` weight quantized along axis 0, two
+K-rows of scales interleaved): exactly the x1Scale / x2Scale shapes above.
 * int8 w8a8: ``y = (x_q @ w_q) * x_scale[m] * w_scale[n]`` with exact integer sums.
 
 ``make_fake(swap_pairs=True)`` builds a fake that reads the two scales of each pair in the wrong order: a
@@ -78,8 +89,11 @@ class _Ops:
 
     def npu_dynamic_mx_quant(self, x, *, axis=-1, round_mode="rint", dst_type=FLOAT4_E2M1FN_X2, block_size=32,
                              scale_alg=0, dst_type_max=0.0, max_low_bound=0.0):
-        _check(axis in (-1, x.dim() - 1) and block_size == 32 and round_mode == "rint",
-               "only the last axis, 1x32 blocks and rint are modelled")
+        _check(block_size == 32 and round_mode == "rint", "only 1x32 blocks and rint are modelled")
+        if x.dim() == 2 and axis in (0, -2):  # a (k, n) weight along k: scales (ceil(k/64), n, 2), rows interleaved
+            q, byte = self.npu_dynamic_mx_quant(x.t(), dst_type=dst_type, scale_alg=scale_alg)
+            return q.t(), byte.transpose(0, 1).contiguous()
+        _check(axis in (-1, x.dim() - 1), "only the last axis, or axis 0 of a 2-D tensor, is modelled")
         _check(dst_type is E4M3, f"dst_type must be torch.float8_e4m3fn, got {dst_type}")
         _check(scale_alg in (0, 1), f"scale_alg {scale_alg} is not modelled")
         _check(x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"input dtype {x.dtype}")

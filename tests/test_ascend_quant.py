@@ -84,6 +84,56 @@ def test_scale_packing_follows_the_pair_layout():
             assert packed[g // 2, r, g % 2] == (scale[r, g] if g < 3 else 0)
 
 
+# The documented MX arithmetic (hicann/ops-nn quant/dynamic_mx_quant/docs/aclnnDynamicMxQuant_en.md, cited in
+# fake_torch_npu): one row, five 32-element groups whose largest magnitudes are below; the scale bytes each
+# scaleAlg gives, worked out by hand from the two formulas (scaleAlg 0: floor(log2 amax) - 8; scaleAlg 1:
+# amax / 448, exponent rounded up when the mantissa is not zero), then + 127.
+DOC_AMAX = [448.0, 449.0, 1.0, 0.875 * 2**-3, 3.0]
+DOC_BYTES = {0: [127, 127, 119, 115, 120], 1: [127, 128, 119, 115, 120]}
+
+
+@pytest.mark.parametrize("scale_alg", [0, 1])
+def test_fake_mx_quantizer_follows_the_documented_formulas_and_layout(scale_alg):
+    x = torch.zeros(1, 32 * len(DOC_AMAX))
+    for g, amax in enumerate(DOC_AMAX):
+        x[0, 32 * g] = -amax  # the group's largest magnitude, negative: the rule takes |x|
+        x[0, 32 * g + 1] = amax / 4
+    q, scale = fake_torch_npu.make_fake().npu_dynamic_mx_quant(x, dst_type=torch.float8_e4m3fn, scale_alg=scale_alg)
+    assert scale.shape == (1, 3, 2) and scale.dtype == torch.uint8  # (ceil(5 / 2), 2): pairs along K, padded
+    assert [int(scale[0, g // 2, g % 2]) for g in range(5)] == DOC_BYTES[scale_alg]
+    assert scale[0, 2, 1] == 0  # the documented padding value
+    # -449: scaleAlg 0 (scale 1) saturates it to E4M3's -448; scaleAlg 1 (scale 2) stores -224.5 rounded, -224
+    assert q[0, 32].float() == (-448.0 if scale_alg == 0 else -224.0)
+    weight = x.t().repeat(1, 3)  # a (k, n) weight quantized along k: scales (ceil(k/64), n, 2), rows interleaved
+    _, wscale = fake_torch_npu.make_fake().npu_dynamic_mx_quant(weight, axis=0, dst_type=torch.float8_e4m3fn,
+                                                                scale_alg=scale_alg)
+    assert wscale.shape == (3, 3, 2)
+    assert all(int(wscale[g // 2, n, g % 2]) == DOC_BYTES[scale_alg][g] for g in range(5) for n in range(3))
+
+
+def test_plugin_weight_scales_are_laid_out_as_the_op_lays_out_a_weight_quantized_along_k():
+    """The plugin's kernel-side weight scale bytes (regroup, then pack_mx_scale) equal, byte for byte and place
+    for place, what the documented ``npu_dynamic_mx_quant`` gives for the same weight in the kernel's ``(k, n)``
+    form quantized along k, on a weight whose every 32-group has a different power-of-two magnitude (so both
+    choose the same exponents and any other placement shows)."""
+    gen = torch.Generator().manual_seed(4)
+    n, k = 6, 224  # 7 groups along k: three pairs and a padded one
+    exps = torch.randint(-4, 4, (n, k // 32), generator=gen)
+    w = torch.rand(n, k, generator=gen) * 200.0
+    # each group's largest magnitude is 0.9 * 448 * 2**e: block scales are then not powers of two, so the plugin
+    # re-groups per 32 elements (its exact path keeps one exponent per 128-block), and both rules pick e
+    w[:, ::32] = 0.9 * 448.0
+    w = w * torch.pow(2.0, exps.float()).repeat_interleave(32, dim=1)
+    pair = block_fp8(w)
+    weight_kn, packed = npu.mx_weight_layout(*mxfp8.regroup(pair.weight, pair.scale_inv))
+    _, documented = fake_torch_npu.make_fake().npu_dynamic_mx_quant(
+        mxfp8.dequantize(*mxfp8.regroup(pair.weight, pair.scale_inv)).t(), axis=0, dst_type=torch.float8_e4m3fn,
+        scale_alg=1)
+    assert weight_kn.shape == (k, n) and packed.shape == documented.shape == (4, n, 2)
+    assert torch.equal(packed, documented)
+    assert len(set(exps.flatten().tolist())) > 4  # the groups really differ
+
+
 def _mx_gate_up_layer(k: int, sizes: list[int], weights: list[BlockFp8Weight]):
     plan = LayerQuant(CheckpointQuant("fp8", frozenset({"m.gate_proj", "m.up_proj"})), "npu")
     layer = _vllm.MergedColumnParallelLinear(k, sizes, bias=False, quant_config=plan, prefix="m.gate_up_proj")
@@ -220,11 +270,17 @@ def test_tiny_w8a8_checkpoint_has_the_msmodelslim_layout(w8a8_ckpt, tiny_ckpt):
         q, s = tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"]
         assert q.dtype == torch.int8 and s.shape == (q.shape[0], 1) and not tensors[f"{m}.weight_offset"].any()
         assert ((q.float() * s - reference[f"{m}.weight"]).abs() <= s / 2 + 1e-6).all()
+    # QuaRot's folding of the final norm weight w: into lm_head, out of the MTP layer's shared_head.norm (it
+    # feeds the same lm_head), back in through rot = Q^T diag(w) Q with Q = I
+    text = "model.language_model."
+    w = reference[text + "norm.weight"]
+    folded = {text + "norm.weight": torch.ones_like(w), "lm_head.weight": reference["lm_head.weight"] * w,
+              text + "layers.5.shared_head.norm.weight": reference[text + "layers.5.shared_head.norm.weight"] / w}
     for name, t in tensors.items():  # everything else is stored unchanged
         if name.rpartition(".")[0] not in modules:
-            assert desc[name] == "FLOAT" and torch.equal(t, reference[name]), name
+            assert desc[name] == "FLOAT" and torch.equal(t, folded.get(name, reference[name])), name
     rot = load_file(str(w8a8_ckpt / "rot.safetensors"))["rot.weight"]
-    assert torch.equal(rot, torch.diag(reference["model.language_model.norm.weight"]))
+    assert torch.equal(rot, torch.diag(w))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -342,16 +398,19 @@ def ascend_modules(monkeypatch):
 FP8_CFG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
-def _serving_state(caplog):
+def _serving_state(caplog, monkeypatch):
+    """register() afresh on the (faked) NPU; the registry entry, what it registered, and the FP8 claim."""
     from types import SimpleNamespace
 
     from vllm import ModelRegistry
 
+    import vllm_glm53
     from vllm_glm53.quant import configs
 
-    _vllm.register_model("Glm5NextForCausalLM", "vllm_glm53.model", "Glm5NextForCausalLM")
+    monkeypatch.setattr(_vllm, "platform_kind", lambda: "npu")
+    monkeypatch.setattr(vllm_glm53, "_registered", None)
     with caplog.at_level("INFO", logger="vllm_glm53"):
-        registered = configs.register_configs()
+        registered = vllm_glm53.register()
     claim = configs.Glm5NextFp8Config.override_quantization_method(
         FP8_CFG, None, hf_config=SimpleNamespace(model_type="glm5_next"))
     return ModelRegistry.models.get("Glm5NextForCausalLM"), registered, claim
@@ -364,12 +423,12 @@ def test_vllm_ascend_registered_first_keeps_the_model_and_the_fp8_checkpoint(asc
 
     theirs = SimpleNamespace(module_name="vllm_ascend.models.glm5_next", class_name="Glm5NextForCausalLM")
     monkeypatch.setitem(ModelRegistry.models, "Glm5NextForCausalLM", theirs)
-    entry, registered, claim = _serving_state(caplog)
+    entry, registered, claim = _serving_state(caplog, monkeypatch)
     assert entry is theirs  # not overwritten
     assert claim is None  # vllm-ascend's own fp8 config takes the checkpoint
     assert "quantization ascend" not in registered  # vllm-ascend owns that name
     assert "quantization glm5_next_mxfp8" in registered  # the plugin's re-grouping for vllm-ascend's model
-    assert "served by vllm-ascend (vllm_ascend.models.glm5_next)" in caplog.text
+    assert "served by vllm-ascend's GLM5Next: the installed vllm-ascend ships it (vllm_ascend.models.glm5_next)" in caplog.text
 
 
 def test_vllm_ascend_registering_later_is_seen_from_its_model_module(ascend_modules, monkeypatch, caplog):
@@ -378,16 +437,104 @@ def test_vllm_ascend_registering_later_is_seen_from_its_model_module(ascend_modu
     ascend_modules.add("vllm_ascend.models.glm5_next")
     monkeypatch.setitem(ModelRegistry.models, "Glm5NextForCausalLM", ModelRegistry.models["Glm5NextForCausalLM"])
     monkeypatch.delitem(ModelRegistry.models, "Glm5NextForCausalLM")
-    entry, _, claim = _serving_state(caplog)
+    entry, _, claim = _serving_state(caplog, monkeypatch)
     assert entry is None and claim is None  # nothing registered: vllm-ascend's registration will come
-    assert "served by vllm-ascend" in caplog.text
+    assert "served by vllm-ascend's GLM5Next" in caplog.text
 
 
 def test_vllm_ascend_without_glm5next_leaves_the_model_to_the_plugin(ascend_modules, monkeypatch, caplog):
     from vllm import ModelRegistry
 
     monkeypatch.setitem(ModelRegistry.models, "Glm5NextForCausalLM", ModelRegistry.models["Glm5NextForCausalLM"])
-    entry, registered, claim = _serving_state(caplog)
+    entry, registered, claim = _serving_state(caplog, monkeypatch)
     assert entry.module_name == "vllm_glm53.model" and claim == "glm5_next_fp8"
     assert "quantization ascend" not in registered and "quantization glm5_next_mxfp8" not in registered
-    assert "served by vllm-glm53 (platform npu)" in caplog.text
+    assert "served by the plugin's model (vllm_glm53.model): vLLM's own GLM5Next cannot run on npu" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# w8a8 with QuaRot: the MTP layer's input rotation (rot.weight)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rotated_w8a8_ckpt(w8a8_ckpt, tmp_path_factory):
+    """The tiny w8a8 checkpoint with its MTP layer rotated by a random orthogonal Q (tiny.rotate_w8a8_mtp)."""
+    import shutil
+
+    from vllm_glm53.tiny import rotate_w8a8_mtp
+
+    path = tmp_path_factory.mktemp("rotated") / "w8a8-rot"
+    shutil.copytree(w8a8_ckpt, path)
+    rotate_w8a8_mtp(path, seed=3)
+    return path
+
+
+def _mtp_steps(path, ids, hidden):
+    """The plugin's MTP model on ``path`` (built and loaded as vLLM does, the target's embedding installed as
+    vLLM's proposer installs it): two draft steps, the second fed the first's output. Returns both outputs."""
+    import glob
+
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    from vllm_glm53.model.mtp import Glm5NextMTPModel
+
+    config = _engine_config(path, quantization="ascend")
+    config.compilation_config.static_forward_context.clear()
+    tensors = load_file(str(path / "quant_model_weights.safetensors"))
+    with set_current_vllm_config(config):
+        model = Glm5NextMTPModel(vllm_config=config)
+        files = sorted(glob.glob(f"{path}/*.safetensors"))
+        model.load_weights(safetensors_weights_iterator(files, False))
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+        model.model.embed_tokens = torch.nn.Embedding.from_pretrained(
+            tensors["model.language_model.embed_tokens.weight"])
+        positions = torch.arange(1, ids.shape[0] + 1)
+        with set_forward_context(None, config), torch.no_grad():
+            h1, _ = model(ids, positions, hidden, spec_step_idx=0)
+            h2, _ = model(ids.roll(1), positions + 1, h1, spec_step_idx=1)
+    return model, h1, h2
+
+
+def test_w8a8_mtp_rotation_is_loaded_and_applied(w8a8_ckpt, rotated_w8a8_ckpt, prompt):
+    """The rotated checkpoint's MTP layer computes what the unrotated one computes, on the first draft step
+    (from the target's hidden state) and on the next (from its own output), only if ``rot.weight`` is loaded
+    and applied as ``h @ rot^T`` on every step: Q^T diag(w) is not symmetric, and the layer's ``eh_proj``
+    expects the rotated basis. Measured difference 2.4e-6 of values ~1 (float32 rounding of the folded Q)."""
+    hidden = torch.randn(prompt.shape[0], 64, generator=torch.Generator().manual_seed(0))
+    with _vllm.standalone_model_parallel():
+        plain, want1, want2 = _mtp_steps(w8a8_ckpt, prompt, hidden)
+        rotated, got1, got2 = _mtp_steps(rotated_w8a8_ckpt, prompt, hidden)
+    rot = load_file(str(rotated_w8a8_ckpt / "rot.safetensors"))["rot.weight"]
+    assert not torch.allclose(rot, rot.t(), atol=1e-3)  # a transposed application would show
+    assert plain.rot is not None and rotated.rot is not None  # is_rot_used declares it
+    print(f"rotated vs unrotated MTP: max |diff| {(got1 - want1).abs().max():.2e} (step 1), "
+          f"{(got2 - want2).abs().max():.2e} (step 2)")
+    torch.testing.assert_close(got1, want1, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got2, want2, rtol=0, atol=1e-5)
+    assert (got2 - got1).abs().max() > 0.1  # the two steps differ: the second really used the first's output
+
+
+@pytest.mark.engine
+def test_mtp_on_a_rotated_w8a8_checkpoint_keeps_greedy_outputs(rotated_w8a8_ckpt, prompt):
+    """MTP speculation in the engine on the rotated w8a8 checkpoint gives the greedy tokens of the plugin's
+    reference path run in-process without speculation (a full prefill per token)."""
+    from conftest import prompt_set, run_engine
+
+    prompts = prompt_set(rotated_w8a8_ckpt, [6, 40])
+    config = _engine_config(rotated_w8a8_ckpt, quantization="ascend")
+    want = []
+    with _vllm.standalone_model_parallel():
+        model = _build(config, rotated_w8a8_ckpt)
+        for p in prompts:
+            ids = list(p)
+            for _ in range(10):
+                logits, _ = _run(model, config, torch.tensor(ids))
+                ids.append(int(logits[-1].argmax()))
+            want.append(ids[len(p):])
+    got = run_engine(rotated_w8a8_ckpt, prompts, 10, ignore_eos=True, engine={
+        "quantization": "ascend", "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}})
+    assert [g["token_ids"] for g in got] == want

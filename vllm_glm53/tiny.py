@@ -328,9 +328,18 @@ def build_checkpoint(
             continue
         final[name] = t if name.endswith(FP32_SUFFIXES) else t.to(target)
     if w8a8:
-        # QuaRot folds no rotation here (Q = I), so the MTP input rotation is Q^T diag(final norm) Q = diag(norm).
-        norm = tensors["model.norm.weight" if layout == "flat" else "model.language_model.norm.weight"]
-        _write_w8a8(out, final, quantized, torch.diag(norm.float()).to(target))
+        # QuaRot (ascend.md §5) folds the final norm's weight w into lm_head, leaving the norm weightless, and
+        # hands the MTP layer rot = Q^T diag(w) Q to restore it. Q = I here (rotate_w8a8_mtp rotates the MTP
+        # side): the target's logits are unchanged, the MTP layer gets w * norm(x) after rot as before, and its
+        # shared_head.norm is divided by w, so its logits through the folded lm_head and the hidden state it
+        # passes to its next draft step (rotated again) are unchanged too.
+        text = "model." if layout == "flat" else "model.language_model."
+        norm = tensors[text + "norm.weight"].float()
+        final[text + "norm.weight"] = torch.ones_like(norm).to(target)
+        final["lm_head.weight"] = (tensors["lm_head.weight"].float() * norm).to(target)
+        head_norm = f"{text}layers.{n_layers}.shared_head.norm.weight"
+        final[head_norm] = (tensors[head_norm].float() / norm).to(target)
+        _write_w8a8(out, final, quantized, torch.diag(norm).to(target))
     else:
         save_file({k: v.contiguous() for k, v in final.items()}, str(out / "model.safetensors"),
                   metadata={"format": "pt"})
@@ -365,6 +374,40 @@ def _config_json(cfg: dict, layout: str, dtype: str) -> dict:
         out["architectures"] = ["Glm5NextForCausalLM"]
     out["dtype"] = dtype
     return out
+
+
+def rotate_w8a8_mtp(path: str | os.PathLike, seed: int) -> None:
+    """Rewrite a nested w8a8 checkpoint in place so that its MTP layer works in a basis rotated by a random
+    orthogonal ``Q`` (drawn from ``seed``), as QuaRot leaves it, while the target keeps ``Q = I``.
+
+    The MTP layer must then receive ``(w * h) Q`` for the target's weightless-normed hidden state ``h``:
+    ``rot.weight`` (applied like ``nn.Linear``, ``h @ rot^T``) becomes ``Q^T diag(w)``, the general form of
+    ``Q_target^T diag(w) Q_mtp``; not symmetric, so applying it transposed is an error a test can see. The
+    layer's ``hnorm`` weight is folded into ``eh_proj``'s hidden half together with ``Q``
+    (``RMSNorm(u Q) = RMSNorm(u) Q``), so the layer computes exactly what the unrotated one computes.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from vllm_glm53.quant import w8a8
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    if "text_config" not in cfg or not (path / w8a8.DESCRIPTION_FILE).exists():
+        raise ValueError("rotate_w8a8_mtp needs a nested w8a8 checkpoint")
+    weights_file, rot_file = path / "quant_model_weights.safetensors", path / "rot.safetensors"
+    tensors, rot = load_file(str(weights_file)), load_file(str(rot_file))[w8a8.MTP_ROTATION]
+    mtp = f"model.language_model.layers.{cfg['text_config']['num_hidden_layers']}."
+    d = rot.shape[0]
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r))  # a uniformly random orthogonal matrix
+    hnorm, eh = tensors[mtp + "hnorm.weight"], tensors[mtp + "eh_proj.weight"]
+    eh_h = eh[:, d:].double() * hnorm.double() @ q
+    tensors[mtp + "eh_proj.weight"] = torch.cat([eh[:, :d], eh_h.to(eh.dtype)], dim=1)
+    tensors[mtp + "hnorm.weight"] = torch.ones_like(hnorm)
+    save_file(tensors, str(weights_file), metadata={"format": "pt"})
+    save_file({w8a8.MTP_ROTATION: (q.t() @ rot.double()).to(rot.dtype).contiguous()}, str(rot_file),
+              metadata={"format": "pt"})
 
 
 def make_exact_mtp(path: str | os.PathLike) -> None:

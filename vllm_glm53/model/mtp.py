@@ -7,7 +7,9 @@
     h = shared_head.norm(r + MoE(post_attention_layernorm(r)))
 
 It is one plain pre-norm decoder block (no mHC) at checkpoint index ``num_hidden_layers``, with its own sparse
-MLA, indexer and latent cache. Its embedding and LM head are the target model's: vLLM's MTP proposer installs
+MLA, indexer and latent cache. msmodelslim w8a8 checkpoints made with QuaRot (``is_rot_used``) also carry
+``rot.weight``, applied to ``h_prev`` like a linear layer before anything else (ascend.md §5).
+Its embedding and LM head are the target model's: vLLM's MTP proposer installs
 them after loading (``model.embed_tokens``, ``lm_head``), so this module creates neither. Every draft step
 runs the layer's own indexer (exact; vLLM's in-tree version reuses the first step's selection).
 """
@@ -19,12 +21,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from vllm_glm53 import _vllm
 from vllm_glm53._vllm import LogitsProcessor, ReplicatedLinear
 from vllm_glm53.config import TextArch, text_arch
 from vllm_glm53.model.mla import Glm5NextSparseMLA
 from vllm_glm53.model.moe import Glm5NextMLP, Glm5NextMoE
 from vllm_glm53.model.norm import RMSNorm
 from vllm_glm53.model.weights import CheckpointError, WeightLoader
+from vllm_glm53.quant import w8a8
 
 
 class Glm5NextMTPLayer(nn.Module):
@@ -65,6 +69,11 @@ class Glm5NextMTPModel(nn.Module):
         self.model.layers = nn.ModuleList(
             [Glm5NextMTPLayer(self.arch, vllm_config.model_config.dtype, prefix=f"model.layers.{self.arch.num_layers}")]
         )
+        # QuaRot leaves the target's final norm weightless (its weight folded into lm_head) and the MTP layer in
+        # a rotated basis: ``rot.weight`` maps the hidden state the target hands over to the one the layer needs.
+        description = _vllm.read_model_json(vllm_config.model_config, w8a8.DESCRIPTION_FILE)
+        D = self.arch.hidden_size
+        self.rot = ReplicatedLinear(D, D, bias=False, prefix="rot") if description.get("is_rot_used") else None
         self.logits_processor = LogitsProcessor(self.arch.vocab_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -75,6 +84,8 @@ class Glm5NextMTPModel(nn.Module):
         e = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         # The token at absolute position 0 has no previous hidden state to pair with.
         e = e.masked_fill((positions == 0).unsqueeze(-1), 0)
+        if self.rot is not None:
+            hidden_states, _ = self.rot(hidden_states)
         h = self.model.layers[0](e, hidden_states)
         return h, h
 
@@ -86,9 +97,14 @@ class Glm5NextMTPModel(nn.Module):
         # Only checkpoint layer N belongs here; the embedding and head are shared with the target, and the MTP
         # layer may carry its own copies of them (``embed_tokens``, ``shared_head.head``), which are not used.
         shared_copies = (f"model.layers.{n}.embed_tokens.", f"model.layers.{n}.shared_head.head.")
-        loader = WeightLoader(self, num_layers=1, layer_offset=n,
-                              skip=lambda name: not name.startswith(f"model.layers.{n}.")
-                              or name.startswith(shared_copies))
+
+        def other(name: str) -> bool:
+            # ``rot.weight`` (w8a8 QuaRot) is this module's too: a checkpoint that has it without declaring
+            # ``is_rot_used`` fails as an unexpected tensor, one that declares it without it as a missing one.
+            mine = name.startswith(f"model.layers.{n}.") or name == w8a8.MTP_ROTATION
+            return not mine or name.startswith(shared_copies)
+
+        loader = WeightLoader(self, num_layers=1, layer_offset=n, skip=other)
         loaded = loader.load(weights)
         if not loaded:
             raise CheckpointError(f"the checkpoint has no MTP layer (no tensors under layers.{n}.); "
