@@ -646,7 +646,7 @@ def test_cpu_plan_serves_a_local_checkpoint(cli, vllm_env, monkeypatch, tmp_path
     (launch,) = plan.serve_launches()
     ns = cli.parse(launch.args)
     assert (ns.model, ns.port, ns.host, ns.tensor_parallel_size) == (str(tmp_path / "tiny"), 8123, "127.0.0.1", 2)
-    assert (ns.enable_prefix_caching, ns.enforce_eager) == (False, True)
+    assert (ns.enable_prefix_caching, ns.enforce_eager) == (None, True)  # vLLM's default: the plain command starts
     assert ns.max_model_len == 2048 and ns.kv_cache_memory_bytes == 512 * 2**20
     assert expand(launch.env["VLLM_CPU_OMP_THREADS_BIND"]) == [{0, 1}, {2, 3}]
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", launch.env["VLLM_CPU_OMP_THREADS_BIND"])

@@ -213,8 +213,7 @@ def engine_config(tmp_path_factory):
     ckpt = build_checkpoint(tmp_path_factory.mktemp("serving") / "tiny")
 
     def make(**options):
-        return EngineArgs(model=str(ckpt), max_model_len=512, enforce_eager=True, enable_prefix_caching=False,
-                          **options).create_engine_config()
+        return EngineArgs(model=str(ckpt), max_model_len=512, enforce_eager=True, **options).create_engine_config()
 
     return make
 
@@ -250,6 +249,10 @@ def test_vllm_refuses_pipeline_parallel_for_the_plugins_model_by_its_interface(e
 
 
 def test_default_options_are_served(engine_config):
+    """vLLM's defaults (no prefix-caching flag: vLLM turns it on for hybrid models, its CPU platform off for MLA
+    ones, and used to reject its own result) give a config, and the plugin's model accepts it."""
     from vllm_glm53.model.model import check_serve_options
 
-    check_serve_options(engine_config())  # raises if anything were refused
+    config = engine_config()
+    assert not config.cache_config.enable_prefix_caching  # off on CPU, decided before vLLM's hybrid hook
+    check_serve_options(config)  # raises if anything were refused

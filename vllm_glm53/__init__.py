@@ -47,6 +47,20 @@ def _cache_row_size(hf_text_config) -> int:
     return text_arch(hf_text_config).cache_row_size
 
 
+def _check_engine_config(vllm_config) -> None:
+    """Runs where vLLM runs a model's own config checks, before its hybrid-state hook and its platform update."""
+    from vllm_glm53 import _vllm
+
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching and _vllm.cpu_forces_one_step_prefill(vllm_config):
+        # vLLM's CPU platform turns prefix caching off for MLA models after the hybrid hook has sized prefix-cache
+        # blocks for it, and then rejects its own config; decide it here, before that hook, so the plain
+        # `vllm serve CKPT` starts. Chunked prefill and prefix caching on CPU: issue #17.
+        logger.info("vllm-glm53: prefix caching is off on CPU for GLM-5.3 (vLLM's CPU platform disables it for "
+                    "MLA models)")
+        cache.enable_prefix_caching = False
+
+
 def register() -> list[str]:
     """Register the plugin's pieces with vLLM. Idempotent; ``VLLM_GLM53_DISABLE=1`` turns it off.
 
@@ -73,6 +87,8 @@ def register() -> list[str]:
             done.append(f"model {arch}")
         if _vllm.register_cache_row_size(CACHE_ROW_MODEL_TYPES, _cache_row_size):
             done.append("cache row size " + "/".join(CACHE_ROW_MODEL_TYPES))
+        if _vllm.register_config_hook(tuple(MODELS), _check_engine_config):
+            done.append("config hook " + "/".join(MODELS))
     for mode, target in TOKENIZER_MODES.items():
         _vllm.register_tokenizer_mode(mode, *target)
         done.append(f"tokenizer-mode {mode}")

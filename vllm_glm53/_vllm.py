@@ -27,6 +27,13 @@ Each entry: why, how, and the upstream change that would retire it.
    repacks the weight for its GEMM and deletes ``.weight``; MLA absorbs ``kv_b_proj`` into per-head matrices
    and must read it. How: the flag vLLM's CPU method checks. Retire: a public opt-out, or the CPU method keeping
    the weight it was given.
+6. ``MODELS_CONFIG_MAP`` entries for the GLM-5.3 architectures (:func:`register_config_hook`), with the plugin's
+   model only. Why: on CPU vLLM turns prefix caching on for hybrid models (setting ``mamba_block_size``), and
+   later its CPU platform turns prefix caching off for MLA models, which leaves a config its own validation
+   rejects ("--mamba-block-size can only be set with --enable-prefix-caching"): the plain ``vllm serve CKPT``
+   failed. How: the hook turns prefix caching off first where the CPU platform will, with one log line. Retire:
+   the CPU platform deciding before the hybrid hook runs, or not classifying a model with its own attention
+   backend as MLA (issue #17 then turns prefix caching and chunked prefill on for this model on CPU).
 """
 
 from __future__ import annotations
@@ -53,6 +60,42 @@ def register_model(arch: str, module: str, cls: str) -> None:
     from vllm import ModelRegistry
 
     ModelRegistry.register_model(arch, f"{module}:{cls}")
+
+
+class _ConfigHookMark:
+    """Marks the per-architecture config hooks this plugin installed (a second ``register()`` replaces its own)."""
+
+
+def register_config_hook(archs: tuple[str, ...], hook) -> bool:
+    """Run ``hook(vllm_config)`` where vLLM runs a model's own config checks (``MODELS_CONFIG_MAP``, consulted
+    before the hybrid-state hook and the platform's config update). Returns whether it was installed (not where
+    this vLLM lacks the table or another package already claimed one of the architectures).
+
+    The model registry module this imports is the one :func:`register_model` already imports."""
+    try:
+        mod = importlib.import_module("vllm.model_executor.models.config")
+        table, base = mod.MODELS_CONFIG_MAP, mod.VerifyAndUpdateConfig
+    except (ModuleNotFoundError, AttributeError):
+        return False
+
+    class Glm5NextConfigHook(base, _ConfigHookMark):
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            hook(vllm_config)
+
+    free = [a for a in archs if a not in table or issubclass(table[a], _ConfigHookMark)]
+    for arch in free:
+        table[arch] = Glm5NextConfigHook
+    return len(free) == len(archs)
+
+
+def cpu_forces_one_step_prefill(vllm_config) -> bool:
+    """Whether vLLM's CPU platform will turn chunked prefill and prefix caching off for this config: it does for
+    every model it classifies as MLA (``model_config.use_mla``; GLM-5.3's NoPE latent attention is) unless its AMX
+    MLA path applies, which needs head size 576 (GLM-5.3's is 512)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and bool(getattr(vllm_config.model_config, "use_mla", False))
 
 
 class _CacheRowConvertorMark:

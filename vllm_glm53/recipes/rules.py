@@ -19,7 +19,7 @@ from vllm_glm53.recipes.catalogue import (
 )
 from vllm_glm53.recipes.schema import FeatureConfig, Recipe, Variant
 from vllm_glm53.recipes.plan import Launch
-from vllm_glm53.recipes.options import has_flag, last_value, option_values
+from vllm_glm53.recipes.options import has_flag, last_value
 
 
 def feature_args(name: str, cfg: FeatureConfig) -> list[str]:
@@ -159,13 +159,14 @@ def _rule_memory(c: RuleContext) -> str | None:
 
 
 def _rule_cpu_launch(c: RuleContext) -> str | None:
-    """On CPU: no prefix caching (hybrid MLA config validation fails), eager mode, a bounded --max-model-len
-    (the checkpoint says 1,048,576) and an explicit KV budget."""
+    """On CPU: no explicit prefix caching (vLLM's CPU platform turns it off for MLA models; chunked prefill and
+    prefix caching for this model on CPU are issue #17), eager mode, a bounded --max-model-len (the checkpoint says
+    1,048,576) and an explicit KV budget."""
     if c.hw.platform != "cpu":
         return None
     for launch in c.serve:
-        if has_flag(launch.args, "--enable-prefix-caching") or not option_values(launch.args, "--enable-prefix-caching"):
-            return "on CPU, pass --no-enable-prefix-caching (a hybrid MLA model fails config validation otherwise)"
+        if has_flag(launch.args, "--enable-prefix-caching"):
+            return "on CPU, prefix caching is not available for this model yet (vLLM's CPU platform turns it off)"
         if not has_flag(launch.args, "--enforce-eager"):
             return "on CPU, pass --enforce-eager"
         if last_value(launch.args, "--max-model-len") is None:
