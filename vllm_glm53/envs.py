@@ -44,6 +44,8 @@ VARIABLES: dict[str, Variable] = {
         Variable("VLLM_GLM53_BACKEND", "auto", ("auto", "cpu", "cuda", "rocm"),
                  "op backends of the plugin's model: auto (by platform), or force cpu / cuda"),
         Variable("VLLM_GLM53_CPU_KERNELS", "1", _FLAG, "0: the CPU ops run in plain PyTorch instead of the compiled kernels"),
+        Variable("VLLM_GLM53_CPU_ISA", "auto", ("auto", "avx512", "avx2", "portable"),
+                 "which compiled CPU kernel build to load: auto (the best this CPU runs) or force one it runs"),
         Variable("VLLM_GLM53_SPARSE_MLA", "auto", ("auto", "triton"),
                  "GPU sparse MLA of the plugin's model: auto (FlashMLA's sparse kernel where vLLM ships it, else "
                  "Triton) or triton"),
