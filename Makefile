@@ -19,7 +19,9 @@ demo: setup
 	$(PY) -m vllm_glm53.demo
 
 # setup-triton: the GPU kernels are also tested on the CPU through Triton's interpreter, in their own venv.
+# The kernel build is quick when csrc/ has not changed since the last one, and fails loudly when it does not compile.
 test: setup setup-triton
+	$(PY) -m vllm_glm53.backends.cpu.build --if-compiler
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 clean:

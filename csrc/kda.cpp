@@ -6,9 +6,9 @@
 // is evaluated as
 //     r = S^T (a*k) ;  o0 = S^T (a*q) ;  u = beta (v - r) ;  o = o0 + (k.q) u ;  S <- a*S + k u^T
 // so one token touches the state twice: a read pass (r and o0) and an update pass. Columns of S are independent
-// (column j only needs r_j and u_j), so the state is processed in groups of up to 64 columns (dk x 64 floats,
-// 32 KiB at dk = 128): the update pass finds the group in L1, and for a prefill the group stays there for the
-// whole sequence. Memory sees each state element read once and written once per call.
+// (column j only needs r_j and u_j), so the state is processed in groups of up to 64 columns with AVX-512, 32
+// with AVX2 (whose 16 registers hold half the accumulators; dk x 64 floats = 32 KiB at dk = 128): the update
+// pass finds the group in L1, and for a prefill the group stays there for the whole sequence. Memory sees each state element read once and written once per call.
 
 #include "common.h"
 
@@ -16,7 +16,8 @@
 namespace glm53 {
 namespace {
 
-constexpr int kGroupVecs = 4;  // columns per group = 4 * 16
+// Columns per group = kGroupVecs * 16: the read pass keeps 2 * kGroupVecs accumulators (r and o0) in registers.
+constexpr int kGroupVecs = kVectorRegs >= 32 ? 4 : 2;
 
 // Pointers to one head's inputs for a run of tokens; ``*_ts`` are token strides in elements.
 struct HeadInputs {
@@ -96,7 +97,7 @@ void run_group(float* S, int64_t ldS, int64_t dk, int ncols, const HeadInputs& i
     case 1: return recur_group<1>(S, ldS, dk, ncols, in, n_tok, scratch);
     case 2: return recur_group<2>(S, ldS, dk, ncols, in, n_tok, scratch);
     case 3: return recur_group<3>(S, ldS, dk, ncols, in, n_tok, scratch);
-    default: return recur_group<4>(S, ldS, dk, ncols, in, n_tok, scratch);
+    default: return recur_group<kGroupVecs>(S, ldS, dk, ncols, in, n_tok, scratch);
   }
 }
 

@@ -10,8 +10,9 @@
 //      every token routed to the expert (their float32 rows stay in cache), giving h [pairs, I] float32;
 //   2. tasks (expert, block of hidden rows) of W2 the same way, giving one output row per pair, y [pairs, D];
 //   3. per token, its k pair outputs weighted and summed in choice order (deterministic, no atomics).
-// Experts that received no token are never touched. Rows go two at a time against four tokens at a time, so
-// each loaded lane group of a weight row feeds four FMAs and eight accumulators hide the FMA latency; the next
+// Experts that received no token are never touched. Rows go two at a time against kTok tokens at a time (4 with
+// AVX-512, 2 with 16 vector registers), so each loaded lane group of a weight row feeds kTok FMAs and 2 * kTok
+// accumulators hide the FMA latency without spilling; the next
 // rows are prefetched meanwhile (the loads alone kept too few misses in flight: ~1.4x the memory floor at 16
 // tokens without, ~1.2x with). With many tokens an expert's tokens go in chunks whose rows fit in L2; there the
 // kernel is compute-bound and the Python side hands large batches to torch's GEMMs.
@@ -23,7 +24,8 @@
 namespace glm53 {
 namespace {
 
-constexpr int kTok = 4;              // tokens sharing each load of a weight row
+// Tokens sharing each load of a weight row: 2 rows x kTok tokens of accumulators in registers (vec.h).
+constexpr int kTok = kVectorRegs >= 32 ? 4 : 2;
 constexpr int64_t kRowsPerTask = 16;  // weight rows (gate/up pairs in step 1) per task
 constexpr int64_t kAhead = 1;         // prefetch distance in row pairs
 constexpr int64_t kChunkBytes = 128 << 10;  // float32 token rows a task works through per pass over its rows
@@ -56,16 +58,13 @@ inline void dot_block(const W* const* rows, const W* const* ahead, const float* 
     for (int j = 0; j < N; ++j) acc[r][j] = reduce_add(s[r][j]);
 }
 
-// The same for 1..kTok tokens (n picks the instantiation).
-template <int R, typename W>
+// The same for 1..N tokens (n picks the instantiation).
+template <int R, int N = kTok, typename W>
 inline void dot_tokens(const W* const* rows, const W* const* ahead, const float* const* xs, int n, int64_t len,
                        float (*acc)[kTok]) {
-  switch (n) {
-    case 1: return dot_block<R, 1>(rows, ahead, xs, len, acc);
-    case 2: return dot_block<R, 2>(rows, ahead, xs, len, acc);
-    case 3: return dot_block<R, 3>(rows, ahead, xs, len, acc);
-    default: return dot_block<R, 4>(rows, ahead, xs, len, acc);
-  }
+  if constexpr (N > 1)
+    if (n < N) return dot_tokens<R, N - 1>(rows, ahead, xs, n, len, acc);
+  dot_block<R, N>(rows, ahead, xs, len, acc);
 }
 
 // The clamped SwiGLU of one gate / up value (only the gate's upper side is clamped).

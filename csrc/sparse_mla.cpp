@@ -4,8 +4,8 @@
 // Each query reads only its selected rows, straight from the cache pages through the block table, so a decode
 // step costs O(index width), not O(context). Rows are taken in blocks of 16: the heads of the task score the
 // block, then fold it into their accumulators with an online softmax (running max and sum, rescaled once per
-// block), so every selected row is fetched from memory once per task; heads go four at a time so each load of
-// a row feeds four heads' FMAs. The selected rows sit at random places in the cache, one 2 KiB row here and
+// block), so every selected row is fetched from memory once per task; heads go kHeads at a time (4 with
+// AVX-512, 2 with AVX2) so each load of a row feeds that many heads' FMAs. The selected rows sit at random places in the cache, one 2 KiB row here and
 // there, so the hardware prefetchers cannot run ahead of them: while a group of rows is scored, the next group's
 // rows are prefetched one cache line per lane group (about 2x faster than without, on the development machine;
 // prefetching a whole block at once overflowed the line-fill buffers and gained nothing).
@@ -19,10 +19,13 @@
 namespace glm53 {
 namespace {
 
-constexpr int kBlock = kLanes;  // rows per online-softmax step (their logits fill one vector)
-constexpr int kHeads = 4;       // heads that share each load of a row
-constexpr int kRowGroup = 4;    // rows scored together (kHeads x kRowGroup accumulators)
-constexpr int kUnroll = 4;      // lane groups of the accumulators updated together
+// Tiles sized to the register file (vec.h): scoring keeps kHeads x kRowGroup partial sums and kHeads query
+// vectors, the update kHeads x kUnroll accumulators; 4 / 4 / 4 with AVX-512's 32 registers, 2 / 2 / 2 below.
+constexpr int kBlock = kLanes;                        // rows per online-softmax step (their logits fill one vector)
+constexpr int kTile = kVectorRegs >= 32 ? 4 : 2;
+constexpr int kHeads = kTile;     // heads that share each load of a row
+constexpr int kRowGroup = kTile;  // rows scored together
+constexpr int kUnroll = kTile;    // lane groups of the accumulators updated together
 
 // One online-softmax step of HG heads over a block of nb <= kBlock rows (float32, L values each).
 // q [HG, L]; acc [HG, L], run_max / run_sum [HG] are the heads' running state.
@@ -89,6 +92,15 @@ void attend_block(const float* q, int64_t L, const float* const* blk, int nb, co
   }
 }
 
+// attend_block for the last ``hg`` <= HG heads of a query (its instantiation picked by hg).
+template <int HG = kHeads>
+void attend_heads(int64_t hg, const float* q, int64_t L, const float* const* blk, int nb, const void* const* next,
+                  int n_next, float scale, float* acc, float* run_max, float* run_sum) {
+  if constexpr (HG > 1)
+    if (hg < HG) return attend_heads<HG - 1>(hg, q, L, blk, nb, next, n_next, scale, acc, run_max, run_sum);
+  attend_block<HG>(q, L, blk, nb, next, n_next, scale, acc, run_max, run_sum);
+}
+
 // One query, heads [0, nh): q [nh, L] float32, rows[i] -> the L latent values of selected row i.
 // out [nh, L] = sum_i softmax_i(scale * q . row_i) row_i; zeros when there are no rows.
 template <typename T>
@@ -116,12 +128,8 @@ void attend(const float* q, int64_t nh, int64_t L, const T* const* rows, int64_t
     for (int64_t h = 0; h < nh; h += kHeads) {
       const float* qh = q + h * L;
       float* ah = acc + h * L;
-      switch (std::min<int64_t>(kHeads, nh - h)) {
-        case 1: attend_block<1>(qh, L, blk, nb, next, n_next, scale, ah, run_max + h, run_sum + h); break;
-        case 2: attend_block<2>(qh, L, blk, nb, next, n_next, scale, ah, run_max + h, run_sum + h); break;
-        case 3: attend_block<3>(qh, L, blk, nb, next, n_next, scale, ah, run_max + h, run_sum + h); break;
-        default: attend_block<4>(qh, L, blk, nb, next, n_next, scale, ah, run_max + h, run_sum + h); break;
-      }
+      attend_heads(std::min<int64_t>(kHeads, nh - h), qh, L, blk, nb, next, n_next, scale, ah, run_max + h,
+                   run_sum + h);
     }
   }
   for (int64_t h = 0; h < nh; ++h) {

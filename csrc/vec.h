@@ -1,9 +1,17 @@
 // A 16-lane float vector, the one abstraction the kernels are written in.
 //
-// With AVX-512 (the build passes -mavx512f/bw/vl/dq when the CPU has them) a lane group is one zmm register and
-// partial groups use masked loads/stores. Without it the same type is a plain 16-float array whose loops the
-// compiler vectorises for whatever the target offers: the kernels have one source and two instruction sets, so
-// the portable build is checked by the same tests.
+// Three instruction sets, chosen by the compiler flags the build passes (vllm_glm53/backends/cpu/build.py builds
+// one library per instruction set the CPU runs):
+//   avx512    one zmm register per lane group; partial groups use masked loads and stores.
+//   avx2      two ymm registers (AVX2 + FMA, F16C for float16); partial groups use masked float loads and
+//             stores, and a zero-padded copy for 16-bit types (AVX2 has no 16-bit masked moves).
+//   portable  a plain 16-float array whose loops the compiler vectorises for whatever the target offers (the
+//             x86-64 baseline, SSE2): for CPUs without AVX2.
+// The kernels have one source, so every path is checked by the same tests. The avx512 and avx2 paths compute
+// the same values bit for bit (same exp polynomial and 2^n scaling, same reduction tree, fused multiply-adds);
+// the portable path rounds fma() as a multiply then an add (a correctly rounded fma without the instruction is
+// a libm call per lane, which made it ~30x slower than avx2) and takes exp from std::exp. The kernels size their
+// register tiles with kVectorRegs.
 //
 // Every operation takes the number of valid lanes ``n`` (1..16) where memory is touched; lanes past ``n`` load
 // as zero and are never stored.
@@ -15,18 +23,35 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define GLM53_AVX512 1
+#define GLM53_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define GLM53_AVX512 0
+#define GLM53_AVX2 1
 #else
 #define GLM53_AVX512 0
+#define GLM53_AVX2 0
 #endif
 
 namespace glm53 {
 
 constexpr int kLanes = 16;
+
+// How many 16-lane vectors the register file holds: the kernels' register tiles (accumulators kept across a
+// loop) are sized so they do not spill.
+#if GLM53_AVX512
+constexpr int kVectorRegs = 32;  // zmm0-31
+#elif GLM53_AVX2
+constexpr int kVectorRegs = 8;   // ymm0-15, two per vector
+#else
+constexpr int kVectorRegs = 4;   // xmm0-15 (SSE2), four per vector
+#endif
 
 #if GLM53_AVX512
 
@@ -74,7 +99,13 @@ inline F16 operator/(F16 a, F16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline F16 fma(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
 inline F16 vmax(F16 a, F16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline F16 relu(F16 a) { return {_mm512_max_ps(a.v, _mm512_setzero_ps())}; }
-inline float reduce_add(F16 a) { return _mm512_reduce_add_ps(a.v); }
+// Halves, then quarters, then pairs: the tree every path sums in (see the avx2 and portable paths).
+inline float reduce_add(F16 a) {
+  const __m256 s8 = _mm256_add_ps(_mm512_extractf32x8_ps(a.v, 1), _mm512_castps512_ps256(a.v));
+  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+  const __m128 s2 = _mm_add_ps(s4, _mm_shuffle_ps(s4, s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
+}
 inline float reduce_max(F16 a) { return _mm512_reduce_max_ps(a.v); }
 
 // exp with Cody-Waite range reduction and a degree-6 polynomial (about 1 ulp on the range used here).
@@ -95,6 +126,131 @@ inline F16 exp(F16 x) {
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return {_mm512_scalef_ps(p, n)};
 }
+
+#elif GLM53_AVX2
+
+inline const char* isa_name() { return "avx2"; }
+
+struct F16 {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+
+// All-ones in the 32-bit lanes below n (n may be <= 0 or >= 8).
+inline __m256i lane_mask8(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline F16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F16 set1(float x) {
+  const __m256 v = _mm256_set1_ps(x);
+  return {v, v};
+}
+inline F16 load(const float* p, int n = kLanes) {
+  if (n >= kLanes) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  // Masked-off lanes are not read (no fault past the end of the data).
+  return {_mm256_maskload_ps(p, lane_mask8(n)), _mm256_maskload_ps(p + 8, lane_mask8(n - 8))};
+}
+// 16 raw 16-bit values; a partial group is copied into a zeroed buffer first.
+inline __m256i load_u16(const void* p, int n) {
+  if (n >= kLanes) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  alignas(32) uint16_t buf[kLanes] = {};
+  std::memcpy(buf, p, sizeof(uint16_t) * n);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+}
+inline __m256 bf16_to_f32(__m128i h) {  // bf16 is the top half of a float
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline F16 load(const c10::BFloat16* p, int n = kLanes) {
+  const __m256i h = load_u16(p, n);
+  return {bf16_to_f32(_mm256_castsi256_si128(h)), bf16_to_f32(_mm256_extracti128_si256(h, 1))};
+}
+inline F16 load(const c10::Half* p, int n = kLanes) {
+  const __m256i h = load_u16(p, n);
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+}
+inline void store(float* p, F16 x, int n = kLanes) {
+  if (n >= kLanes) {
+    _mm256_storeu_ps(p, x.lo);
+    _mm256_storeu_ps(p + 8, x.hi);
+  } else {
+    _mm256_maskstore_ps(p, lane_mask8(n), x.lo);
+    _mm256_maskstore_ps(p + 8, lane_mask8(n - 8), x.hi);
+  }
+}
+inline void store_u16(void* p, __m256i h, int n) {
+  if (n >= kLanes) {
+    _mm256_storeu_si256(static_cast<__m256i*>(p), h);
+  } else {
+    alignas(32) uint16_t buf[kLanes];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(buf), h);
+    std::memcpy(p, buf, sizeof(uint16_t) * n);
+  }
+}
+// Narrowing stores round to nearest even, as torch's .to(bfloat16 / float16) does; a NaN stays a (quiet) NaN.
+inline __m256i bf16_bits(__m256 x) {  // in the low 16 bits of each 32-bit lane
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+inline void store(c10::BFloat16* p, F16 x, int n = kLanes) {
+  // packus works within 128-bit halves (lo0-3 hi0-3 lo4-7 hi4-7); the permute puts the quarters in order.
+  // The values are 0..0xFFFF, so the unsigned saturation never triggers.
+  const __m256i packed = _mm256_packus_epi32(bf16_bits(x.lo), bf16_bits(x.hi));
+  store_u16(p, _mm256_permute4x64_epi64(packed, 0xD8), n);
+}
+inline void store(c10::Half* p, F16 x, int n = kLanes) {
+  const __m128i lo = _mm256_cvtps_ph(x.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m128i hi = _mm256_cvtps_ph(x.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  store_u16(p, _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1), n);
+}
+inline F16 operator+(F16 a, F16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline F16 operator-(F16 a, F16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline F16 operator*(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F16 operator/(F16 a, F16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline F16 fma(F16 a, F16 b, F16 c) {  // a * b + c
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline F16 vmax(F16 a, F16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline F16 relu(F16 a) { return vmax(a, zero()); }
+// The avx512 path's reduction tree (halves, then quarters, then pairs): both paths sum in the same order.
+inline float reduce_add(F16 a) {
+  const __m256 s8 = _mm256_add_ps(a.hi, a.lo);
+  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+  const __m128 s2 = _mm_add_ps(s4, _mm_shuffle_ps(s4, s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
+}
+inline float reduce_max(F16 a) {
+  const __m256 s8 = _mm256_max_ps(a.hi, a.lo);
+  const __m128 s4 = _mm_max_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+  const __m128 s2 = _mm_max_ps(s4, _mm_shuffle_ps(s4, s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  return std::max(_mm_cvtss_f32(s2), _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1)));
+}
+
+// The avx512 path's exp step for step. AVX2 has no scalef: 2^n is applied as two power-of-two factors
+// 2^(n>>1) and 2^(n - (n>>1)), each a normal float over the whole clamped range (n in [-150, 128]); the first
+// product is exact, so the result is rounded once, as scalef rounds it (denormals and overflow to +inf alike).
+inline __m256 exp8(__m256 x) {
+  const __m256 v = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(89.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+inline F16 exp(F16 x) { return {exp8(x.lo), exp8(x.hi)}; }
 
 #else  // portable
 
@@ -136,15 +292,17 @@ inline F16 operator+(F16 a, F16 b) { GLM53_LANEWISE(a.v[i] + b.v[i]) }
 inline F16 operator-(F16 a, F16 b) { GLM53_LANEWISE(a.v[i] - b.v[i]) }
 inline F16 operator*(F16 a, F16 b) { GLM53_LANEWISE(a.v[i] * b.v[i]) }
 inline F16 operator/(F16 a, F16 b) { GLM53_LANEWISE(a.v[i] / b.v[i]) }
-inline F16 fma(F16 a, F16 b, F16 c) { GLM53_LANEWISE(std::fma(a.v[i], b.v[i], c.v[i])) }
+inline F16 fma(F16 a, F16 b, F16 c) { GLM53_LANEWISE(a.v[i] * b.v[i] + c.v[i]) }  // two roundings (see top)
 inline F16 vmax(F16 a, F16 b) { GLM53_LANEWISE(std::max(a.v[i], b.v[i])) }
 inline F16 relu(F16 a) { GLM53_LANEWISE(std::max(a.v[i], 0.0f)) }
 inline F16 exp(F16 x) { GLM53_LANEWISE(std::exp(x.v[i])) }
 #undef GLM53_LANEWISE
+// The vector paths' reduction tree (halves, then quarters, then pairs), so sums round alike on every path.
 inline float reduce_add(F16 a) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += a.v[i];
-  return s;
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = a.v[i + 8] + a.v[i];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i + 4] + s8[i];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 inline float reduce_max(F16 a) {
   float m = a.v[0];

