@@ -212,3 +212,34 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(tiny_ckpt, t
     want = hf_greedy(hf_model(dequantized_twin(path, tmp_path / "twin")), prompts, MAX_TOKENS)
     got = run_engine(path, prompts, MAX_TOKENS, engine={"max_num_seqs": 3}, logprobs=1)
     assert_parity(got, want)
+
+
+# Dimensions spanning several 128-blocks with a ragged last block in both directions, and grids that are not
+# square: dense MLP [200, 320] / [320, 200] (scale grids 2x3 / 3x2), experts [72, 320] / [320, 72] (1x3 / 3x1).
+RAGGED = {"hidden_size": 320, "intermediate_size": 200, "moe_intermediate_size": 72}
+
+
+def _vary_block_scales(path, seed=0):
+    """Multiply every block scale of FP8 checkpoint ``path`` by its own power of two in [1/4, 4]: blocks of one
+    weight then differ in magnitude by up to 16x, so reading a neighbour's scale (a ragged block, a swapped
+    axis, an off-by-one) changes the weights by far more than FP8 rounding does. Exact: powers of two."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            tensors[name] = t * torch.pow(2.0, torch.randint(-2, 3, t.shape, generator=gen).float())
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.engine
+def test_fp8_weights_of_several_ragged_blocks_match_the_dequantized_reference(tiny_ckpt, tmp_path):
+    path = tmp_path / "fp8-ragged"
+    shutil.copytree(tiny_ckpt("fp8-ragged", fp8=True, overrides=RAGGED, seed=3), path)
+    _vary_block_scales(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    grids = {tuple(t.shape) for n, t in tensors.items() if n.endswith(".weight_scale_inv")}
+    assert {(2, 3), (3, 2), (1, 3), (3, 1)} <= grids, grids  # several blocks, ragged, both orientations
+    prompts = prompt_set(path, LENGTHS[::2])
+    want = hf_greedy(hf_model(dequantized_twin(path, tmp_path / "twin")), prompts, 12)
+    got = run_engine(path, prompts, 12, logprobs=1)
+    assert_parity(got, want)
