@@ -1,18 +1,23 @@
-"""CPU ops of GLM-5.3: compiled kernels (csrc/) vs the plain-torch backends vs the memory floor.
+"""CPU ops of GLM-5.3: compiled kernels (csrc/) vs plain torch vs the memory floor.
 
     .venv/bin/python benchmarks/bench_cpu_ops.py [--threads N] [--repeat 7] [--batch 8] [--max-context 8192]
 
 Geometry: the real per-head sizes (KDA heads of 128, latent 512, indexer 4 heads of 128, index_topk 64,
 pools of 4), float32 as in the parity tests, 4 KDA / MLA heads as in the kernel-friendly tiny checkpoint
-(``--heads`` to change). Every op is timed as the best of ``--repeat`` calls after one warm-up (see
-:func:`best_time`; run the script a few times and take the median of the runs), each call on a different
-region of a working set several times the last-level cache, so state and cache rows come from memory as they
-do in a model step (other layers run in between).
+(``--heads`` to change). ``VLLM_GLM53_CPU_ISA=avx2`` (or ``portable``) times another instruction set's kernels.
+
+Every timed call is cold, as in a model step where other layers ran in between: the last-level cache is flushed
+first (a write pass over a buffer twice its size), and each call works on a copy of the data (states, cache
+pages, weights) that no earlier call touched: the two columns use disjoint copies, as many as calls (within a
+memory budget, beyond which copies repeat but the flush still makes them cold), and every sparse-MLA call
+selects freshly drawn rows. A row reports the median of ``--repeat`` calls after one untimed warm-up.
 
 Columns:
-* ``torch``: the plain-torch backend, called as model/ calls the ops (``VLLM_GLM53_CPU_KERNELS=0``): the batch
-  forms ``kda_decode_step_slots``, ``sparse_latent_attention_paged`` and ``select_batch`` on their torch path,
-  which gathers what it needs by slot / block table, computes per sequence and scatters back;
+* ``torch``: plain torch doing the op's work the way a torch implementation would, called as model/ calls the
+  ops: ``kda_decode_step_slots`` and ``select_batch`` on their torch path (``VLLM_GLM53_CPU_KERNELS=0``), which
+  gather what they need by slot / block table, compute and scatter back; for sparse MLA a gather of exactly the
+  selected rows through the block table (:func:`sparse_mla_gather_torch`; the backend's torch path copies whole
+  sequences first, which would flatter the kernel) and two batched matmuls;
 * ``compiled``: the same calls on the kernels of csrc/, which read and write the state pool and the paged
   cache in place and touch only the bytes the op needs;
 * ``floor``: the bytes the op must move at this machine's measured bandwidth for that kind of traffic: the KDA
@@ -22,21 +27,25 @@ Columns:
   2 KiB row per page at random: for them a second floor, ``scattered floor``, uses the rate at which torch's
   own ``index_select`` fetches random 2 KiB rows from a working set of the same size.
 
+Before timing, each compiled op's output is checked against its torch column (a benchmark of a wrong answer
+measures nothing).
+
 mHC rows time one block's three steps (coefficients incl. the torch GEMM, collapse, expand) at the real
 geometry (n = 4 streams of 4096, bfloat16 streams, 20 Sinkhorn iterations); the streams were just written by the
 previous block, so they are not made cold.
 
 Routed-expert rows time one MoE block's experts (the kernel-friendly tiny's 8 experts of 512 x 256, top-2) as
 the torch loop and as the compiled kernel called directly (the backend picks the loop above a batch threshold),
-each call on another set of weights so they come from memory.
+each call on its own cold set of weights.
 
-The machine may be shared: rerun and compare.
+The machine may be shared: other processes on the same cores stretch single calls (the median absorbs a few).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -45,19 +54,32 @@ from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import kda, kernels, mhc, moe
 from vllm_glm53.backends.cpu import sparse_mla as mla
 
-WORKING_SET = 512 << 20  # bytes per benchmark working set: many times a 32 MiB L3
+WORKING_SET = 512 << 20  # bytes of the bandwidth probes: many times a 32 MiB L3
+COPY_BUDGET = 1 << 30  # bytes of data copies per benchmark row
+_FLUSH = torch.ones(2 * (32 << 20) // 4)  # twice this machine's 32 MiB L3
 
 
-def best_time(fn, repeat: int) -> float:
-    """Fastest of ``repeat`` calls after a warm-up: on a shared machine a slower call measures the neighbours
-    (a descheduled OpenMP thread stalls a whole parallel region for a scheduler tick), not the op."""
-    fn(-1)  # warm-up (first-touch, lazy init)
+def flush_caches() -> None:
+    _FLUSH.mul_(1.0)
+
+
+def copies_for(bytes_per_copy: int, repeat: int) -> int:
+    """Copies for 1 warm-up + ``repeat`` calls on each of the two sides, within COPY_BUDGET."""
+    return max(2, min(2 * (repeat + 1), COPY_BUDGET // max(1, bytes_per_copy)))
+
+
+def median_time(fn, repeat: int, first: int = 0) -> float:
+    """Median of ``repeat`` cold calls ``fn(i)``, i = first + 1 ... first + repeat, after an untimed warm-up
+    ``fn(first)`` (first-touch, lazy init). Each call picks its own copy of the data by ``i``; the second side of a
+    comparison passes ``first = repeat + 1`` so the two never share a copy."""
+    fn(first)
     times = []
-    for i in range(repeat):
+    for i in range(first + 1, first + 1 + repeat):
+        flush_caches()
         t0 = time.perf_counter()
         fn(i)
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return statistics.median(times)
 
 
 def scattered_row_rate(row_floats: int, repeat: int) -> float:
@@ -65,15 +87,23 @@ def scattered_row_rate(row_floats: int, repeat: int) -> float:
     table = torch.ones(WORKING_SET // (4 * row_floats), row_floats)
     n = 4096
     idx = [torch.randint(0, table.shape[0], (n,)) for _ in range(repeat + 1)]
-    return n / best_time(lambda i: table.index_select(0, idx[i]), repeat)
+    return n / median_time(lambda i: table.index_select(0, idx[i]), repeat)
 
 
 def bandwidths(repeat: int) -> tuple[float, float]:
     """(read, in-place read + write) bytes per second over a buffer far larger than the caches."""
     x = torch.ones(WORKING_SET // 4, dtype=torch.float32)
-    read = WORKING_SET / best_time(lambda i: x.sum(), repeat)
-    update = 2 * WORKING_SET / best_time(lambda i: x.mul_(1.0), repeat)
+    read = WORKING_SET / median_time(lambda i: x.sum(), repeat)
+    update = 2 * WORKING_SET / median_time(lambda i: x.mul_(1.0), repeat)
     return read, update
+
+
+def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """The compiled output agrees with the torch one (float32: the kernels' tests allow a few ulps of scale)."""
+    err = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    if not err <= 1e-4 * max(scale, 1e-30):
+        raise SystemExit(f"{what}: compiled and torch outputs differ (max {err:.3g} at scale {scale:.3g})")
 
 
 def fmt_us(seconds: float | None) -> str:
@@ -91,8 +121,6 @@ def row(*cells) -> str:
 
 def bench_kda_decode(H: int, d: int, batches: list[int], bw: float, repeat: int, ops) -> list[str]:
     slot_bytes = H * d * d * 4
-    n_slots = max(WORKING_SET // slot_bytes, 2 * max(batches))
-    pool = torch.randn(n_slots, H, d, d) * 0.1
     out = [
         f"KDA decode step (H={H}, dk=dv={d}, state float32 {slot_bytes >> 10} KiB/sequence/layer); times in µs",
         "",
@@ -100,21 +128,27 @@ def bench_kda_decode(H: int, d: int, batches: list[int], bw: float, repeat: int,
         row(*["---"] * 6),
     ]
     for B in batches:
+        n_copies = copies_for(B * slot_bytes, repeat)
+        pool = torch.randn(n_copies * B, H, d, d) * 0.1
         q, k = kda.l2norm_qk(torch.randn(B, H, d), torch.randn(B, H, d), d)
         v, beta = torch.randn(B, H, d), torch.rand(B, H)
         g = kda.kda_gate(torch.randn(B, H, d), torch.zeros(H), -5.0)
-        n_groups = n_slots // B
 
         def slots(i):
-            return torch.arange(B) + (i % n_groups) * B
+            return torch.arange(B) + (i % n_copies) * B
 
-        t_torch = best_time(lambda i: kda.kda_decode_step_slots_torch(q, k, v, g, beta, pool, slots(i)), repeat)
         t_comp = None
         if ops is not None:
-            t_comp = best_time(lambda i: kda.kda_decode_step_slots(q, k, v, g, beta, pool, slots(i)), repeat)
+            ref_pool = pool[slots(0)].clone()
+            want = kda.kda_decode_step_torch(q, k, v, g, beta, ref_pool)
+            check(kda.kda_decode_step_slots(q, k, v, g, beta, pool, slots(0)), want, "KDA decode")
+            t_comp = median_time(lambda i: kda.kda_decode_step_slots(q, k, v, g, beta, pool, slots(i)), repeat)
+        t_torch = median_time(lambda i: kda.kda_decode_step_slots_torch(q, k, v, g, beta, pool, slots(i)), repeat,
+                              first=repeat + 1)
         floor = (2 * B * slot_bytes + B * H * (3 * d + 2 * d + 1) * 4) / bw  # states in place; q k g v in, o out
         out.append(row(B, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor),
                        f"{t_comp / floor:.2f}" if t_comp else "—", f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
+        del pool
     return out
 
 
@@ -129,8 +163,8 @@ def bench_kda_prefill(H: int, d: int, lengths: list[int], repeat: int, ops) -> l
         q, k = kda.l2norm_qk(torch.randn(T, H, d), torch.randn(T, H, d), d)
         v, beta = torch.randn(T, H, d), torch.rand(T, H)
         g = kda.kda_gate(torch.randn(T, H, d), torch.zeros(H), -5.0)
-        t_torch = best_time(lambda i: kda.kda_chunked_torch(q, k, v, g, beta), max(3, repeat // 2))
-        t_comp = best_time(lambda i: ops.kda_prefill(q, k, v, g, beta, None), repeat) if ops else None
+        t_torch = median_time(lambda i: kda.kda_chunked_torch(q, k, v, g, beta), max(3, repeat // 2))
+        t_comp = median_time(lambda i: ops.kda_prefill(q, k, v, g, beta, None), repeat) if ops else None
         out.append(row(T, fmt_us(t_torch), fmt_us(t_comp), f"{T / t_comp:,.0f}" if t_comp else "—",
                        f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
     return out
@@ -143,21 +177,25 @@ def bench_kda_prefill(H: int, d: int, lengths: list[int], repeat: int, ops) -> l
 
 class PagedCache:
     """``B`` sequences of ``S`` tokens in shuffled 128-token pages of ``[latent 512 | key 128 | gate 128]`` rows,
-    with enough copies of the batch (different pages) to make each call read cold memory."""
+    ``copies`` times over (each copy's block tables point at its own pages)."""
 
     L, dI, nI, topk, kp, block = 512, 128, 4, 64, 4, 128
 
-    def __init__(self, B: int, S: int):
+    def __init__(self, B: int, S: int, copies: int):
         row = self.L + 2 * self.dI
         nb = -(-S // self.block)
-        self.copies = max(1, WORKING_SET // (B * nb * self.block * row * 4))
-        total = self.copies * B * nb
+        self.copies = copies
+        total = copies * B * nb
         self.pages = torch.randn(total, self.block, row) * 0.5
-        self.tables = torch.randperm(total).view(self.copies, B, nb).to(torch.int32)
+        self.tables = torch.randperm(total).view(copies, B, nb).to(torch.int32)
         self.B, self.S = B, S
         self.starts = list(range(B + 1))
         self.seq_lens = [S] * B
         self.width = self.topk + self.kp - 1
+
+    @classmethod
+    def bytes_per_copy(cls, B: int, S: int) -> int:
+        return B * -(-S // cls.block) * cls.block * (cls.L + 2 * cls.dI) * 4
 
     def table(self, i: int) -> torch.Tensor:
         return self.tables[i % self.copies]
@@ -171,6 +209,20 @@ class PagedCache:
         return idx
 
 
+def sparse_mla_gather_torch(q: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, idx: torch.Tensor,
+                            scale: float, L: int) -> torch.Tensor:
+    """Decode sparse MLA in plain torch, one query per request, reading only the selected rows: q [B, H, L],
+    idx [B, N] positions (-1 unused) -> [B, H, L]."""
+    valid = idx >= 0
+    pos = idx.clamp(min=0)
+    block = pages.shape[1]
+    blk = table.long().gather(1, pos // block)
+    rows = pages[blk, pos % block, :L]  # [B, N, L]: the selected rows only
+    logits = torch.bmm(q, rows.transpose(1, 2)) * scale  # [B, H, N]
+    probs = torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    return torch.bmm(probs, rows)
+
+
 def bench_sparse_mla(H: int, B: int, contexts: list[int], bw: float, repeat: int, ops) -> list[str]:
     L = PagedCache.L
     row_rate = scattered_row_rate(L, repeat)
@@ -180,22 +232,29 @@ def bench_sparse_mla(H: int, B: int, contexts: list[int], bw: float, repeat: int
         "times in µs",
         f"(scattered 2 KiB rows: {row_rate / 1e6:.1f} M rows/s = {row_rate * L * 4 / 1e9:.1f} GB/s)",
         "",
-        row("context", "selected rows", "torch", "compiled", "floor", "scattered floor",
+        row("context", "selected rows", "torch (gather selected)", "compiled", "floor", "scattered floor",
             "x floor / x scattered floor", "speed-up vs torch"),
         row(*["---"] * 8),
     ]
     gen = torch.Generator().manual_seed(0)
     for S in contexts:
-        cache = PagedCache(B, S)
+        cache = PagedCache(B, S, copies_for(PagedCache.bytes_per_copy(B, S), repeat))
         q = torch.randn(B, H, L)
-        idx = cache.indices(gen)
+        idx = [cache.indices(gen) for _ in range(2 * (repeat + 1))]  # fresh rows for every call
 
-        def attend(fn):
-            return lambda i: fn(q, cache.pages, cache.table(i), cache.starts, cache.seq_lens, idx, scale, L)
+        def torch_call(i):
+            return sparse_mla_gather_torch(q, cache.pages, cache.table(i), idx[i], scale, L)
 
-        t_torch = best_time(attend(mla.sparse_latent_attention_paged_torch), repeat)
-        t_comp = best_time(attend(mla.sparse_latent_attention_paged), repeat) if ops is not None else None
-        n_sel = int((idx[0] >= 0).sum())
+        def compiled_call(i):
+            return mla.sparse_latent_attention_paged(q, cache.pages, cache.table(i), cache.starts, cache.seq_lens,
+                                                     idx[i], scale, L)
+
+        t_comp = None
+        if ops is not None:
+            check(compiled_call(0), torch_call(0), f"sparse MLA, context {S}")
+            t_comp = median_time(compiled_call, repeat)
+        t_torch = median_time(torch_call, repeat, first=repeat + 1)
+        n_sel = int((idx[0][0] >= 0).sum())
         floor = (B * n_sel * L * 4 + 2 * B * H * L * 4) / bw  # rows read; queries in, outputs out
         scattered = B * n_sel / row_rate
         ratio = f"{t_comp / floor:.1f} / {t_comp / scattered:.1f}" if t_comp else "—"
@@ -215,7 +274,7 @@ def bench_indexer(B: int, contexts: list[int], bw: float, repeat: int, ops) -> l
         row(*["---"] * 6),
     ]
     for S in contexts:
-        cache = PagedCache(B, S)
+        cache = PagedCache(B, S, copies_for(PagedCache.bytes_per_copy(B, S), repeat))
         q, w = torch.randn(B, c.nI, c.dI), torch.randn(B, c.nI)
         ape = torch.randn(c.kp, c.dI)
         n_pooled = S // c.kp * c.kp
@@ -224,8 +283,13 @@ def bench_indexer(B: int, contexts: list[int], bw: float, repeat: int, ops) -> l
             return lambda i: fn(q, w, cache.pages, cache.table(i), cache.starts, cache.seq_lens, ape, c.L, c.topk,
                                 c.kp)
 
-        t_torch = best_time(select(ix.select_batch_torch), repeat)
-        t_comp = best_time(select(ix.select_batch), repeat) if ops is not None else None
+        t_comp = None
+        if ops is not None:
+            got, want = select(ix.select_batch)(0), select(ix.select_batch_torch)(0)
+            if not torch.equal(got, want):
+                raise SystemExit(f"indexer, context {S}: compiled and torch selections differ")
+            t_comp = median_time(select(ix.select_batch), repeat)
+        t_torch = median_time(select(ix.select_batch_torch), repeat, first=repeat + 1)
         floor = B * n_pooled * 2 * c.dI * 4 / bw
         out.append(row(S, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor), f"{t_comp / floor:.2f}" if t_comp else "—",
                        f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
@@ -252,12 +316,14 @@ def bench_mhc(D: int, batches: list[int], repeat: int, ops) -> list[str]:
     for B in batches:
         X, y = torch.randn(B, n, D).bfloat16(), torch.randn(B, D).bfloat16()
         pre, post, comb = mhc.mhc_coefficients_torch(X, fn, base, scale, n, eps, iters, norm_eps)
-        t_coef = best_time(lambda i: mhc.mhc_coefficients_torch(X, fn, base, scale, n, eps, iters, norm_eps), repeat)
-        t_mix = best_time(lambda i: (mhc.mhc_collapse_torch(X, pre), mhc.mhc_expand_torch(X, y, post, comb)), repeat)
+        t_coef = median_time(lambda i: mhc.mhc_coefficients_torch(X, fn, base, scale, n, eps, iters, norm_eps),
+                             repeat)
+        t_mix = median_time(lambda i: (mhc.mhc_collapse_torch(X, pre), mhc.mhc_expand_torch(X, y, post, comb)),
+                            repeat)
         c_coef = c_mix = None
         if ops is not None:
-            c_coef = best_time(lambda i: mhc.mhc_coefficients(X, fn, base, scale, n, eps, iters, norm_eps), repeat)
-            c_mix = best_time(lambda i: (mhc.mhc_collapse(X, pre), mhc.mhc_expand(X, y, post, comb)), repeat)
+            c_coef = median_time(lambda i: mhc.mhc_coefficients(X, fn, base, scale, n, eps, iters, norm_eps), repeat)
+            c_mix = median_time(lambda i: (mhc.mhc_collapse(X, pre), mhc.mhc_expand(X, y, post, comb)), repeat)
         speed = f"{(t_coef + t_mix) / (c_coef + c_mix):.1f}x" if c_coef else "—"
         out.append(row(B, fmt_us(t_coef), fmt_us(c_coef), fmt_us(t_mix), fmt_us(c_mix), speed))
     return out
@@ -277,9 +343,8 @@ def bench_moe(E: int, D: int, inter: int, k: int, batches: list[int], bw: float,
         row("batch", "experts used", "torch loop", "compiled", "floor", "x floor", "speed-up"),
         row(*["---"] * 7),
     ]
-    # Weight sets cycled call by call, together far larger than the last-level cache (another layer's experts
-    # ran in between).
-    n_sets = max(2, WORKING_SET // (3 * E * inter * D * 4))
+    # One weight set per call (each another layer's experts, cold), within the copy budget.
+    n_sets = copies_for(3 * E * inter * D * 4, repeat)
     sets = [(torch.randn(E, 2 * inter, D) / D**0.5, torch.randn(E, D, inter) / inter**0.5) for _ in range(n_sets)]
     for T in batches:
         x = torch.randn(T, D)
@@ -290,10 +355,11 @@ def bench_moe(E: int, D: int, inter: int, k: int, batches: list[int], bw: float,
         def call(fn):
             return lambda i: fn(x, *sets[i % n_sets], ids, weights, limit)
 
-        t_torch = best_time(call(moe.routed_experts_torch), repeat)
         t_comp = None
         if ops is not None:
-            t_comp = best_time(call(ops.moe_experts), repeat)
+            check(call(ops.moe_experts)(0), call(moe.routed_experts_torch)(0), f"routed experts, batch {T}")
+            t_comp = median_time(call(ops.moe_experts), repeat)
+        t_torch = median_time(call(moe.routed_experts_torch), repeat, first=repeat + 1)
         floor = used * 3 * inter * D * 4 / bw
         out.append(row(T, used, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor),
                        f"{t_comp / floor:.1f}" if t_comp else "—", f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
@@ -303,7 +369,7 @@ def bench_moe(E: int, D: int, inter: int, k: int, batches: list[int], bw: float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--repeat", type=int, default=7, help="timed calls per cell (their median is reported)")
     parser.add_argument("--heads", type=int, default=4, help="KDA and MLA heads (4: the kernel-friendly tiny)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per MLA / indexer decode step")
     parser.add_argument("--max-context", type=int, default=8192)

@@ -1,25 +1,36 @@
 """End to end: the plugin on vLLM's CPU engine vs transformers ``generate``, same checkpoint, same machine.
 
-    .venv/bin/python benchmarks/bench_e2e.py [--model DIR] [--batches 1 16 64] [--prompt-len 128 1024] [--repeat 3]
+    .venv/bin/python benchmarks/bench_e2e.py [--model DIR] [--dtype float32|bfloat16] [--batches 1 16 64]
+                                             [--prompt-len 128 1024] [--n1 4] [--n2 20] [--repeat 3]
     .venv/bin/python benchmarks/bench_e2e.py --bind-sweep   # the plugin alone under each thread binding
 
 The checkpoint (built unless ``--model`` is given) is the tiny one with the real per-head geometry
 (``vllm_glm53.tiny.kernel_friendly_overrides()``: KDA heads of 128, latent 512, q/k/v heads of 256, indexer
-heads of 128, index_topk 64 in pools of 4), float32 on both sides, greedy. Measured at each prompt length
-(batches whose prompts exceed ``--max-batch-tokens`` in all are skipped), each the median of ``--repeat`` runs:
+heads of 128, index_topk 64 in pools of 4), loaded in ``--dtype`` on both sides, greedy. Measured at each prompt
+length (batches whose prompts exceed ``--max-batch-tokens`` in all are skipped), each the median of ``--repeat``
+runs:
 
-* decode tokens/s at each batch size: B equal-length prompts generate N1 and then N2 tokens (EOS ignored); the
-  difference of the two wall times covers exactly B x (N2 - N1) decode tokens, without prefill or start-up;
+* decode tokens/s at each batch size: B different prompts of equal length generate n1 and then n2 tokens; the
+  difference of the two wall times covers exactly B x (n2 - n1) decode tokens, without prefill or start-up;
 * prefill tokens/s: B prompts, one new token each, prompt tokens / wall time (largest batch of ``--batches``
   that is at most 16);
 * time to first token: one prompt, one new token, wall time of the call.
 
-vLLM runs in a child process (its engine spawns its own processes and binds their threads: by default as the
-CPU recipe does, each rank its own share of the cores; ``VLLM_CPU_OMP_THREADS_BIND`` overrides, see
-benchmarks/README.md), transformers in this one with ``torch.set_num_threads``
-= the CPU count. ``VLLM_GLM53_CPU_KERNELS=0`` runs the plugin on its plain-torch backends instead of the
-compiled kernels. ``--bind-sweep`` runs only the plugin, once per ``VLLM_CPU_OMP_THREADS_BIND`` setting
-(TP=1: nobind, auto, all CPUs, one CPU; TP=2: one half per rank, nobind, auto) and prints one table.
+Both sides get the same settings: the same prompts, lengths, n1 / n2 and repeats, each in its own child process
+on the same cores with one thread per core. vLLM binds its worker's threads with ``VLLM_CPU_OMP_THREADS_BIND``
+(default: the CPU recipe's, each rank its own share of the cores, see benchmarks/README.md); transformers' process
+is pinned to the union of those cores (``sched_setaffinity``; ``OMP_PLACES`` one core per thread). Stop tokens
+are masked on both sides (vLLM ``min_tokens``, transformers ``min_new_tokens``), so every call generates exactly
+its token count and the outputs are comparable: the script compares every generated token of the two sides
+and, in float32, fails if any differs (in bfloat16 the two round differently and near-ties may flip: it reports
+how many sequences agree). transformers 5.19 has no text-only GLM-5.3 class: it runs
+``Glm5NextForConditionalGeneration``, which on text input runs the embedding and the language model only; the
+vLLM side serves the same checkpoint with ``limit_mm_per_prompt`` 0 (no vision tower built).
+
+``VLLM_GLM53_CPU_KERNELS=0`` runs the plugin on its plain-torch backends, ``VLLM_GLM53_CPU_ISA=avx2`` (or
+``portable``) on another instruction set's kernels. ``--bind-sweep`` runs only the plugin, once per
+``VLLM_CPU_OMP_THREADS_BIND`` setting (TP=1: nobind, auto, all CPUs, one CPU; TP=2: one half per rank, nobind,
+auto) and prints one table.
 """
 
 from __future__ import annotations
@@ -40,7 +51,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB: room for 64 sequences; also skips vLLM's 92% RAM claim
 
 
-
 def prompts(model: Path, n: int, length: int) -> list[list[int]]:
     """``n`` different prompts of ``length`` tokens cut from the shipped corpus (no special tokens)."""
     from importlib import resources
@@ -55,25 +65,28 @@ def prompts(model: Path, n: int, length: int) -> list[list[int]]:
     return [ids[97 * i : 97 * i + length] for i in range(n)]
 
 
-def median_of(repeat: int, fn) -> float:
-    return statistics.median(fn() for _ in range(repeat))
+def median_of(repeat: int, fn) -> tuple[float, list]:
+    """Median wall time of ``repeat`` calls of ``fn() -> (seconds, tokens)``, and the tokens of the last call."""
+    runs = [fn() for _ in range(repeat)]
+    return statistics.median(t for t, _ in runs), runs[-1][1]
 
 
 def measure(generate, batches: list[int], plist: list[list[int]], n1: int, n2: int, repeat: int) -> dict:
-    """``generate(prompts, max_tokens) -> seconds`` for one engine and one prompt length; the three metrics."""
-    out: dict = {"decode": {}}
+    """``generate(prompts, max_tokens) -> (seconds, generated token ids per prompt)`` for one engine and one
+    prompt length; the three metrics and the tokens of the longer decode run of each batch."""
+    out: dict = {"decode": {}, "tokens": {}}
     for B in batches:
         batch = plist[:B]
-        t1 = median_of(repeat, lambda: generate(batch, n1))
-        t2 = median_of(repeat, lambda: generate(batch, n2))
+        t1, _ = median_of(repeat, lambda: generate(batch, n1))
+        t2, out["tokens"][str(B)] = median_of(repeat, lambda: generate(batch, n2))
         # Noise larger than the extra decode steps (an oversubscribed run) leaves no measurement: NaN.
         out["decode"][str(B)] = B * (n2 - n1) / (t2 - t1) if t2 > t1 else float("nan")
         print(f"  {len(plist[0])}-token prompts, batch {B}: {n1} tokens {t1:.2f} s, {n2} tokens {t2:.2f} s",
               file=sys.stderr, flush=True)
     pb = max(b for b in batches if b <= 16)
     out["prefill_batch"] = pb
-    out["prefill"] = pb * len(plist[0]) / median_of(repeat, lambda: generate(plist[:pb], 1))
-    out["ttft"] = median_of(repeat, lambda: generate(plist[:1], 1))
+    out["prefill"] = pb * len(plist[0]) / median_of(repeat, lambda: generate(plist[:pb], 1))[0]
+    out["ttft"] = median_of(repeat, lambda: generate(plist[:1], 1))[0]
     return out
 
 
@@ -82,26 +95,27 @@ def batches_for(args, length: int) -> list[int]:
     return [B for B in args.batches if B == 1 or B * length <= args.max_batch_tokens]
 
 
-def measure_all(generate, args, plists: dict[int, list[list[int]]], n2: int, repeat: int) -> dict:
+def measure_all(generate, args, plists: dict[int, list[list[int]]]) -> dict:
     generate(plists[min(plists)][:2], 2)  # warm-up: first-call initialisation on both sides
-    return {str(n): measure(generate, batches_for(args, n), plist, args.n1, n2, repeat) for n, plist in plists.items()}
+    return {str(n): measure(generate, batches_for(args, n), plist, args.n1, args.n2, args.repeat)
+            for n, plist in plists.items()}
 
 
 def run_vllm(args, plists) -> dict:
     from vllm import LLM, SamplingParams
 
     longest = max(plists) + args.n2
-    llm = LLM(model=str(args.model), dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+    llm = LLM(model=str(args.model), dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False,
               tensor_parallel_size=args.tp, max_model_len=max(512, longest), max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(2048, 16 * longest), limit_mm_per_prompt={"image": 0, "video": 0})
 
     def generate(batch, max_tokens):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        return time.perf_counter() - t0
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
-    result = measure_all(generate, args, plists, args.n2, args.repeat)
+    result = measure_all(generate, args, plists)
     del llm, generate  # let the engine shut its processes down before this one exits
     gc.collect()
     return result
@@ -111,33 +125,78 @@ def run_transformers(args, plists) -> dict:
     import torch
     from transformers import Glm5NextForConditionalGeneration
 
-    torch.set_num_threads(os.cpu_count())
-    model = Glm5NextForConditionalGeneration.from_pretrained(str(args.model), dtype=torch.float32).eval()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    dtype = getattr(torch, args.dtype)
+    model = Glm5NextForConditionalGeneration.from_pretrained(str(args.model), dtype=dtype).eval()
 
     def generate(batch, max_tokens):
         ids = torch.tensor(batch)
         t0 = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                           min_new_tokens=max_tokens, do_sample=False)
-        return time.perf_counter() - t0
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False)
+        return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
 
-    return measure_all(generate, args, plists, args.hf_n2, args.hf_repeat)
+    return measure_all(generate, args, plists)
 
 
-def engine_child(args, tp: int, bind: str | None) -> dict:
-    """The vLLM measurement in a fresh process, under thread binding ``bind`` (None: vLLM's default)."""
-    cmd = [sys.executable, __file__, "--engine-only", "--model", str(args.model), "--batches",
-           *map(str, args.batches), "--prompt-len", *map(str, args.prompt_len), "--max-batch-tokens",
+def cpus_of(bind: str) -> list[int]:
+    """The cores a ``VLLM_CPU_OMP_THREADS_BIND`` value names (all of this process's for auto / nobind)."""
+    if bind in ("auto", "nobind"):
+        return sorted(os.sched_getaffinity(0))
+    cores: set[int] = set()
+    for part in bind.replace("|", ",").split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cores)
+
+
+def child(args, side: str, tp: int, bind: str | None) -> dict:
+    """One side's measurement in a fresh process: ``vllm`` under thread binding ``bind`` (None: vLLM's default),
+    ``transformers`` pinned to the cores that binding names, one OpenMP thread per core."""
+    cmd = [sys.executable, __file__, "--child", side, "--model", str(args.model), "--dtype", args.dtype,
+           "--batches", *map(str, args.batches), "--prompt-len", *map(str, args.prompt_len), "--max-batch-tokens",
            str(args.max_batch_tokens), "--n1", str(args.n1), "--n2", str(args.n2), "--repeat", str(args.repeat),
            "--tp", str(tp)]
     env = dict(os.environ)
-    if bind is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if side == "vllm":
+        if bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        preexec = None
+    else:
+        cores = cpus_of(bind or "auto")
+        env.update(OMP_NUM_THREADS=str(len(cores)), OMP_PROC_BIND="true",
+                   OMP_PLACES=",".join(f"{{{c}}}" for c in cores))
+
+        def preexec():
+            os.sched_setaffinity(0, cores)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, preexec_fn=preexec)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare_tokens(ours: dict, ref: dict, dtype: str) -> str:
+    """Every generated token of the two sides, per prompt length and batch; a float32 mismatch is an error."""
+    same = total = 0
+    first_diff = None
+    for n in ours:
+        for B, seqs in ours[n]["tokens"].items():
+            theirs = ref[n]["tokens"][B]
+            assert len(seqs) == len(theirs), f"{n}-token prompts, batch {B}: {len(seqs)} vs {len(theirs)} outputs"
+            for i, (a, b) in enumerate(zip(seqs, theirs)):
+                assert len(a) == len(b), f"{n}-token prompts, batch {B}, sequence {i}: {len(a)} vs {len(b)} tokens"
+                total += 1
+                if a == b:
+                    same += 1
+                elif first_diff is None:
+                    at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+                    first_diff = f"{n}-token prompts, batch {B}, sequence {i}, token {at}: {a[at]} vs {b[at]}"
+    if dtype == "float32" and same != total:
+        raise SystemExit(f"plugin and transformers generated different tokens ({total - same} of {total} "
+                         f"sequences; first: {first_diff})")
+    return f"{same} of {total} generated sequences identical" + (f" (first difference: {first_diff})"
+                                                                  if first_diff else "")
 
 
 def bind_sweep(args) -> None:
@@ -145,13 +204,13 @@ def bind_sweep(args) -> None:
     half = n // 2
     split = f"0-{half - 1}|{half}-{n - 1}" if half > 1 else "0|1"
     settings = [(1, "nobind"), (1, "auto"), (1, f"0-{n - 1}"), (1, "0"), (2, split), (2, "nobind"), (2, "auto")]
-    print(f"# Thread binding sweep, kernel-friendly tiny checkpoint, float32, {n} CPUs (plugin on vLLM only)\n")
+    print(f"# Thread binding sweep, kernel-friendly tiny checkpoint, {args.dtype}, {n} CPUs (plugin on vLLM only)\n")
     head = [f"decode b{B} tok/s" for B in args.batches]
     print("| TP | VLLM_CPU_OMP_THREADS_BIND | " + " | ".join(head) + " | prefill tok/s | TTFT ms |")
     print("| --- | --- | " + " | ".join("---" for _ in head) + " | --- | --- |")
     for tp, bind in settings:
         try:
-            r = engine_child(args, tp, bind)
+            r = child(args, "vllm", tp, bind)
         except RuntimeError as exc:  # e.g. `auto` with more ranks than NUMA nodes refuses to start
             reason = next((line for line in str(exc).splitlines() if "Error: " in line), "Error: see its log")
             print(f"| {tp} | `{bind}` | does not start: {reason.split('Error: ', 1)[1][:120]} |", flush=True)
@@ -191,18 +250,18 @@ def table(ours: dict, ref: dict, args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="checkpoint (default: build the kernel-friendly tiny one)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype both sides load the checkpoint in")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--prompt-len", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--max-batch-tokens", type=int, default=16384,
                         help="skip batches whose prompts exceed this many tokens in all (batch 1 always runs)")
     parser.add_argument("--n1", type=int, default=4, help="short generation (tokens)")
-    parser.add_argument("--n2", type=int, default=36, help="long generation on vLLM (tokens)")
-    parser.add_argument("--hf-n2", type=int, default=12, help="long generation on transformers (tokens)")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--hf-repeat", type=int, default=1, help="repeats on transformers (slow)")
+    parser.add_argument("--n2", type=int, default=20, help="long generation (tokens)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (the median is reported)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of the vLLM run")
     parser.add_argument("--bind-sweep", action="store_true", help="plugin only, under each thread binding")
-    parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["vllm", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     from vllm_glm53.recipes import cpu_bind
@@ -213,23 +272,26 @@ def main() -> None:
 
             args.model = build_checkpoint(Path(tmp) / "kernel-friendly", overrides=kernel_friendly_overrides())
         plists = {n: prompts(args.model, max(batches_for(args, n)), n) for n in args.prompt_len}
-        if args.engine_only:
-            print(json.dumps(run_vllm(args, plists)), flush=True)
+        if args.child:
+            run = run_vllm if args.child == "vllm" else run_transformers
+            print(json.dumps(run(args, plists)), flush=True)
             return
         if args.bind_sweep:
             return bind_sweep(args)
         # The binding the CPU recipe uses (each rank its own share of the cores) unless the caller sets one.
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_bind(args.tp)
         try:
-            ours = engine_child(args, args.tp, bind)
+            ours = child(args, "vllm", args.tp, bind)
+            ref = child(args, "transformers", args.tp, bind)
         except RuntimeError as exc:
-            sys.exit(f"vLLM run failed:\n{str(exc)[-6000:]}")
-        ref = run_transformers(args, plists)
+            sys.exit(f"a benchmark process failed:\n{str(exc)[-6000:]}")
+        agreement = compare_tokens(ours, ref, args.dtype)
 
     from vllm_glm53.backends.cpu import kernels
 
-    print(f"# End to end, kernel-friendly tiny checkpoint, float32, {os.cpu_count()} CPUs, "
-          f"VLLM_CPU_OMP_THREADS_BIND={bind}, plugin backends: {kernels.description()}\n")
+    print(f"# End to end, kernel-friendly tiny checkpoint, {args.dtype}, {os.cpu_count()} CPUs, "
+          f"VLLM_CPU_OMP_THREADS_BIND={bind} (transformers pinned to cores {cpus_of(bind)}), n1 {args.n1}, "
+          f"n2 {args.n2}, median of {args.repeat}; plugin backends: {kernels.description()}; {agreement}\n")
     print(table(ours, ref, args))
 
 
