@@ -18,7 +18,7 @@ setup(
     # ships as sources only: nothing is compiled at install time (no compiler needed), the set-up builds the
     # CPU kernels afterwards with `python -m vllm_glm53.backends.cpu.build`.
     package_dir={"vllm_glm53._recipes": "recipes", "vllm_glm53._csrc": "csrc"},
-    package_data={"vllm_glm53": ["data/*.json", "data/*.txt"], "vllm_glm53._recipes": ["*.yaml"],
+    package_data={"vllm_glm53": ["data/*.json", "data/*.txt", "data/tiny_trained/*"], "vllm_glm53._recipes": ["*.yaml"],
                   "vllm_glm53._csrc": ["*.cpp", "*.h"]},
     install_requires=[
         "safetensors",

@@ -40,38 +40,43 @@ from vllm_glm53.chat.tokens import (
 # ---------------------------------------------------------------------------------------------------------
 
 
-def build_tokenizer(base_vocab_size: int = 476):
-    """A byte-level BPE trained on the shipped corpus, with the 36 added tokens appended after it.
+def build_tokenizer(base_vocab_size: int = 476, corpus: list[str] | None = None, cross_word: bool = False):
+    """A byte-level BPE trained on the shipped corpus (or on the lines of ``corpus``), with the 36 added tokens
+    appended after it. ``cross_word``: no split into words first, so merges may span words (tokens of at most
+    16 characters), which packs a repetitive corpus into far fewer tokens.
 
     Returns a ``tokenizers.Tokenizer``. Deterministic: the same corpus and size give the same merges.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not cross_word)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=base_vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
         show_progress=False,
+        **({"max_token_length": 16} if cross_word else {}),
     )
-    corpus = resources.files("vllm_glm53.data").joinpath("tiny_corpus.txt").read_text(encoding="utf-8")
-    lines = corpus.splitlines()
+    if corpus is None:
+        corpus = resources.files("vllm_glm53.data").joinpath("tiny_corpus.txt").read_text(encoding="utf-8").splitlines()
+    lines = list(corpus)
     # Repeat so frequent pairs win clearly over ties; merges are then stable across tokenizers versions.
     tok.train_from_iterator(lines * 4, trainer=trainer)
     tok.add_special_tokens(list(ADDED_TOKENS))
     return tok
 
 
-def write_tokenizer(out_dir: str | os.PathLike, base_vocab_size: int = 476) -> dict[str, int]:
+def write_tokenizer(out_dir: str | os.PathLike, base_vocab_size: int = 476,
+                    corpus: list[str] | None = None, cross_word: bool = False) -> dict[str, int]:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``out_dir``; return the special-token ids."""
     from transformers import PreTrainedTokenizerFast
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=build_tokenizer(base_vocab_size),
+        tokenizer_object=build_tokenizer(base_vocab_size, corpus, cross_word),
         eos_token=PAD_TOKEN,
         pad_token=PAD_TOKEN,
         clean_up_tokenization_spaces=False,
@@ -262,8 +267,13 @@ def build_checkpoint(
     fp8: bool = False,
     layout: str = "nested",
     w8a8: bool = False,
+    tokenizer_corpus: list[str] | None = None,
+    base_vocab_size: int = 476,
+    cross_word_tokens: bool = False,
 ) -> Path:
-    """Write a tiny checkpoint to ``out_dir`` and return its path."""
+    """Write a tiny checkpoint to ``out_dir`` and return its path (``tokenizer_corpus``, ``base_vocab_size``,
+    ``cross_word_tokens``: train the BPE on these lines, to this size, merging across words; see
+    :func:`build_tokenizer`)."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
@@ -276,7 +286,7 @@ def build_checkpoint(
         raise ValueError("--fp8 and --w8a8 are two different checkpoints; pick one")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    token_ids = write_tokenizer(out)
+    token_ids = write_tokenizer(out, base_vocab_size, tokenizer_corpus, cross_word_tokens)
     cfg_dict = resolve_config(overrides, token_ids)
 
     torch.manual_seed(seed)
