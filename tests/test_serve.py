@@ -155,7 +155,13 @@ def test_tool_choice_required_and_none(client, tokenizer):
     assert not none.choices[0].message.tool_calls
     auto = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], tool_choice="auto",
                                           max_tokens=20, temperature=0)
-    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # Without the logit bias the random model stays in its reasoning for all 20 tokens: no tool call can be
+    # parsed, and the request ends on its token budget (an EOS would have ended it shorter).
+    assert not auto.choices[0].message.tool_calls
+    assert auto.usage.completion_tokens == 20 and auto.choices[0].finish_reason == "length"
+    assert none.choices[0].finish_reason == ("length" if none.usage.completion_tokens == 20 else "stop")
+    # the forced call's arguments run to the token budget on this random model (measured: 60 of 60 tokens)
+    assert req.choices[0].finish_reason == ("length" if req.usage.completion_tokens == 60 else "tool_calls")
 
 
 def test_n_seed_logprobs_and_stop(client):
@@ -169,17 +175,21 @@ def test_n_seed_logprobs_and_stop(client):
 
     lp = client.completions.create(model=NAME, prompt="The weather today", max_tokens=6, temperature=0, logprobs=3)
     top = lp.choices[0].logprobs
+    assert len(top.tokens) == len(top.token_logprobs) == len(top.top_logprobs) == lp.usage.completion_tokens
     for token, token_lp, alternatives in zip(top.tokens, top.token_logprobs, top.top_logprobs):
         assert token_lp == pytest.approx(max(alternatives.values()), abs=1e-5)  # greedy picks the best
 
     greedy = client.completions.create(model=NAME, prompt="The weather today", max_tokens=12, temperature=0)
     text = greedy.choices[0].text
-    stop = text[len(text) // 2 : len(text) // 2 + 2]
-    if stop.strip():
-        cut = client.completions.create(model=NAME, prompt="The weather today", max_tokens=12, temperature=0,
-                                        stop=[stop])
-        assert cut.choices[0].finish_reason == "stop"
-        assert cut.choices[0].text == text[: text.index(stop)]
+    assert greedy.choices[0].finish_reason == ("length" if greedy.usage.completion_tokens == 12 else "stop")
+    # The stop string: the first two non-blank characters from the middle of the text on (a blank one would
+    # test nothing), so that the cut lands inside the output.
+    start = next(i for i in range(len(text) // 2, len(text) - 1) if text[i : i + 2].strip() == text[i : i + 2])
+    stop = text[start : start + 2]
+    cut = client.completions.create(model=NAME, prompt="The weather today", max_tokens=12, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -278,5 +288,6 @@ def test_64_concurrent_streams_lose_and_duplicate_nothing(server, client):
         return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(prompts, max_tokens)))
 
     together = asyncio.run(all_at_once())
+    assert len(together) == len(alone) == 64
     for i, (ids, want) in enumerate(zip(together, alone)):
         assert ids == want, f"request {i}: concurrent stream {ids} != alone {want}"
