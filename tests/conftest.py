@@ -42,7 +42,7 @@ class EngineRunError(AssertionError):
 
 
 def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=False, timeout=900,
-               env=None, metrics=False):
+               env=None, metrics=False, prompt_logprobs=False):
     """Greedy generation through ``vllm.LLM`` in a fresh process; returns token ids (and logprobs) per prompt,
     and with ``metrics=True`` also the engine's counters: ``(results, {name: value})``."""
     import tempfile
@@ -53,7 +53,7 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
         spec, out = Path(d) / "spec.json", Path(d) / "out.json"
         spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
                                     "engine": engine or {}, "logprobs": logprobs, "ignore_eos": ignore_eos,
-                                    "metrics": metrics}))
+                                    "metrics": metrics, "prompt_logprobs": prompt_logprobs}))
         proc = subprocess.run([sys.executable, str(TESTS / "engine_runner.py"), str(spec), str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})

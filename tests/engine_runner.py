@@ -3,9 +3,11 @@
     python tests/engine_runner.py SPEC.json OUT.json
 
 SPEC: {"model": path, "prompts": [[ids...], ...], "max_tokens": [n, ...], "engine": {LLM kwargs},
-       "ignore_eos": bool, "logprobs": k, "metrics": bool}
+       "ignore_eos": bool, "logprobs": k, "prompt_logprobs": bool, "metrics": bool}
 With "metrics", the engine's counters and gauges (vllm:*) are written to OUT.metrics.json.
-OUT: one {"token_ids", "logprobs", "prompt_token_ids"} per prompt (prompt ids as the engine saw them).
+OUT: one {"token_ids", "logprobs", "prompt_token_ids"} per prompt (prompt ids as the engine saw them), and with
+"prompt_logprobs" also "prompt_logprobs": per prompt position after the first, [logprob of the prompt's token
+there, the engine's most likely token there].
 
 Multimodal additions (optional):
     "mm_data": one entry per prompt, null or {"image": [IMG.npy, ...], "video": [{"frames": FRAMES.npy,
@@ -53,14 +55,15 @@ def main(spec_path: str, out_path: str) -> None:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # LLM.apply_model ships a function to workers
     from vllm import LLM, SamplingParams
 
-    engine = dict(max_model_len=1024, enforce_eager=True, enable_prefix_caching=False, dtype="float32")
+    # vLLM's defaults otherwise (prefix caching included): what `LLM(model=CKPT)` gets must start on CPU
+    engine = dict(max_model_len=1024, enforce_eager=True, dtype="float32")
     engine.update(spec.get("engine", {}))
     if spec.get("metrics"):
         engine["disable_log_stats"] = False  # LLM() keeps no statistics otherwise
     llm = LLM(model=spec["model"], **engine)
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=spec.get("ignore_eos", False),
-                       logprobs=spec.get("logprobs", 0))
+                       logprobs=spec.get("logprobs", 0), prompt_logprobs=1 if spec.get("prompt_logprobs") else None)
         for n in spec["max_tokens"]
     ]
     mm_data = spec.get("mm_data") or [None] * len(spec["prompts"])
@@ -70,6 +73,10 @@ def main(spec_path: str, out_path: str) -> None:
         c = o.outputs[0]
         lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])] if c.logprobs else []
         result.append({"token_ids": list(c.token_ids), "logprobs": lps, "prompt_token_ids": list(o.prompt_token_ids)})
+        if spec.get("prompt_logprobs"):  # position 0 has none; each later one holds its token and the top-1
+            result[-1]["prompt_logprobs"] = [
+                [lp[t].logprob, next(k for k, v in lp.items() if v.rank == 1)]
+                for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
     if spec.get("metrics"):  # counters and gauges by name, next to OUT
         metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
         json.dump(metrics, open(out_path + ".metrics.json", "w"))

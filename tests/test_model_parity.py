@@ -75,42 +75,74 @@ def test_released_layer_pattern_matches_transformers(tiny_ckpt):
     assert_parity(got, want)
 
 
-def _bf16_errors(ref, prompts, outputs):
-    """Teacher-force greedy outputs through the float32 reference: per token, the gap between the chosen token
-    and the float32 argmax, and the error of the reported logprob (nats)."""
+# bf16 statistics against transformers' bf16 run on the same checkpoint (see the test's docstring for the values)
+MEDIAN_RATIO = 1.5
+MEAN_RATIO = 1.5
+AGREE_MARGIN = 0.05
+
+
+def _teacher_forced(model, sequences):
+    """float32 log-softmax over the vocabulary at every position of each sequence (one forward each)."""
     import torch
 
-    gaps, errors = [], []
-    for prompt, out in zip(prompts, outputs):
+    out = []
+    for seq in sequences:
         with torch.no_grad():
-            lp = torch.log_softmax(ref(torch.tensor([prompt + out["token_ids"]])).logits[0].float(), -1)
-        for i, (t, olp) in enumerate(zip(out["token_ids"], out["logprobs"])):
-            row = lp[len(prompt) - 1 + i]
-            gaps.append((row.max() - row[t]).item())
-            errors.append(abs(row[t].item() - olp))
-    return gaps, errors
+            out.append(torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1))
+    return out
+
+
+def _prompt_stats(prompts, per_prompt, reference):
+    """Over every prompt position after the first: |logprob of the prompt's next token - float32's| (nats) and
+    whether the most likely token is float32's. ``per_prompt``: [[logprob, top-1 id] per position] per prompt."""
+    errors, agree = [], []
+    for prompt, rows, ref in zip(prompts, per_prompt, reference):
+        assert len(rows) == len(prompt) - 1
+        for i, (lp, top) in enumerate(rows):
+            errors.append(abs(lp - ref[i, prompt[i + 1]].item()))
+            agree.append(top == int(ref[i].argmax()))
+    return errors, sum(agree) / len(agree)
 
 
 def test_bf16_checkpoint_agrees_with_float32_reference(tiny_ckpt):
-    """bf16 cannot be token-exact with a float32 reference: on a tiny random model, bf16 rounding flips near-tied
-    sparse selections, and transformers' own bf16 run drifts by up to ~0.9 nats on these prompts. So the
-    plugin's bf16 error against float32 is measured next to transformers' bf16 error on the same checkpoint,
-    and must not be worse than it by more than a small margin. Measured (8 prompts x 12 tokens): plugin mean
-    argmax gap 0.050 / logprob error 0.071 nats, transformers bf16 0.027 / 0.066; both max ~0.9."""
+    """bf16 cannot be token-exact with a float32 reference, and on a tiny random model the largest single error
+    is a property of the CPU (which near-tied sparse selection bf16 rounding flips): it was 0.59 nats for
+    transformers and 0.90 for the plugin on one AVX2 machine, bounds on it held on one CPU and not another. So
+    the plugin's bf16 run is compared with transformers' bf16 run on statistics that settle: teacher-forced on
+    the prompts' own tokens (726 positions), the median and mean logprob error against float32 and how often
+    the most likely token is float32's, and, for the decode path, the median error of the generated tokens'
+    logprobs against float32.
+
+    Measured (AVX2 EPYC): plugin prompt median 0.018 / mean 0.056 nats / top-1 agreement 0.844, generated
+    median 0.018; transformers bf16 0.028 / 0.068 / 0.800. The bounds leave the plugin 1.5x transformers' error
+    (it is at 0.67x / 0.82x) and 5 points of agreement. With the KDA output norm's weight dropped the plugin
+    measured 0.238 / 0.283 / 0.309 (generated 0.286) and fails every bound. A bug whose float32 effect is below
+    bf16 rounding cannot show here: dropping the MLA q_a norm entirely moved the plugin to 0.027 / 0.065 / 0.807,
+    transformers' own level; the float32 tests above catch that one token for token.
+    """
     import statistics
 
     path = tiny_ckpt("bf16", dtype="bfloat16")
     prompts = prompt_set(path, LENGTHS)
-    ref = hf_model(path, dtype="float32")
-    ours = run_engine(path, prompts, 12, engine={"dtype": "bfloat16"}, logprobs=1, ignore_eos=True)
-    theirs = hf_greedy(hf_model(path, dtype="bfloat16"), prompts, 12)
-    gaps, errors = _bf16_errors(ref, prompts, ours)
-    hf_gaps, hf_errors = _bf16_errors(ref, prompts, theirs)
-    print(f"bf16 vs float32 (nats): plugin gap max {max(gaps):.3f} mean {statistics.mean(gaps):.4f}, logprob "
-          f"error max {max(errors):.3f} mean {statistics.mean(errors):.4f}; transformers bf16: gap max "
-          f"{max(hf_gaps):.3f} mean {statistics.mean(hf_gaps):.4f}, error max {max(hf_errors):.3f} mean "
-          f"{statistics.mean(hf_errors):.4f}")
-    assert statistics.mean(gaps) <= 2 * statistics.mean(hf_gaps) + 0.02
-    assert statistics.mean(errors) <= 2 * statistics.mean(hf_errors) + 0.02
-    assert max(gaps) <= max(hf_gaps) + 0.3
-    assert max(errors) <= max(hf_errors) + 0.3
+    ours = run_engine(path, prompts, 12, engine={"dtype": "bfloat16"}, logprobs=1, ignore_eos=True,
+                      prompt_logprobs=True)
+    assert len(ours) == len(prompts)
+    hf_bf16 = _teacher_forced(hf_model(path, dtype="bfloat16"), prompts)
+    theirs = [[[lp[i, p[i + 1]].item(), int(lp[i].argmax())] for i in range(len(p) - 1)]
+              for p, lp in zip(prompts, hf_bf16)]
+    ref = _teacher_forced(hf_model(path, dtype="float32"), [p + o["token_ids"] for p, o in zip(prompts, ours)])
+    errors, agree = _prompt_stats(prompts, [o["prompt_logprobs"] for o in ours], ref)
+    hf_errors, hf_agree = _prompt_stats(prompts, theirs, ref)
+    decode = [abs(lp - r[len(p) - 1 + j, t].item())
+              for p, o, r in zip(prompts, ours, ref)
+              for j, (t, lp) in enumerate(zip(o["token_ids"], o["logprobs"]))]
+    assert len(decode) == 12 * len(prompts)
+    median, mean, hf_median, hf_mean = (statistics.median(errors), statistics.mean(errors),
+                                        statistics.median(hf_errors), statistics.mean(hf_errors))
+    print(f"bf16 vs float32 (nats): plugin prompt median {median:.4f} mean {mean:.4f} top-1 {agree:.3f}, "
+          f"generated median {statistics.median(decode):.4f}; transformers bf16 prompt median {hf_median:.4f} "
+          f"mean {hf_mean:.4f} top-1 {hf_agree:.3f}")
+    assert median <= MEDIAN_RATIO * hf_median
+    assert mean <= MEAN_RATIO * hf_mean
+    assert agree >= hf_agree - AGREE_MARGIN
+    assert statistics.median(decode) <= MEDIAN_RATIO * hf_median

@@ -79,15 +79,23 @@ def _image_chat(client, url: str, **kwargs):
 def test_mtp_over_http_keeps_greedy_outputs_and_reports_acceptance(server, client):
     prompts = prompt_set(server["path"], [7, 60, 140])
     want = hf_greedy(hf_model(server["path"]), prompts, 12)
+    names = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+             "vllm:spec_decode_num_accepted_tokens_total")
+    before = requests.get(server["url"] + "/metrics", timeout=10).text
+    generated = 0
     for prompt, w in zip(prompts, want):
         out = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
                                         extra_body={"return_token_ids": True})
         # The checkpoint's stop tokens end generation early in both stacks.
         assert out.choices[0].token_ids == w["token_ids"]
-    metrics = requests.get(server["url"] + "/metrics", timeout=10).text
-    assert _metric(metrics, "vllm:spec_decode_num_drafts_total") > 0
-    assert _metric(metrics, "vllm:spec_decode_num_draft_tokens_total") > 0
-    assert "vllm:spec_decode_num_accepted_tokens_total" in metrics
+        generated += len(out.choices[0].token_ids)
+    after = requests.get(server["url"] + "/metrics", timeout=10).text
+    rounds, drafted, accepted = (_metric(after, n) - _metric(before, n) for n in names)
+    # Each verification round drafts 2 tokens and yields its accepted drafts plus one token; each request's
+    # first token comes from its prefill. A round can end a request early (a stop token, max_tokens), so the
+    # tokens kept lie between one per round and one plus the accepted drafts per round.
+    assert rounds > 0 and drafted == 2 * rounds and 0 <= accepted <= drafted
+    assert len(prompts) + rounds <= generated <= len(prompts) + rounds + accepted
 
 
 def test_image_by_data_url_and_by_local_file_are_the_same_request(server, client):
