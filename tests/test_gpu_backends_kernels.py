@@ -84,16 +84,22 @@ from vllm_glm53.backends.cuda import kda as kda_gpu  # noqa: E402
 from vllm_glm53.backends.cuda import sparse_mla as mla_gpu  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-# The interpreter computes in exact float32 (numpy); on a GPU fla's float32 GEMMs may use TF32.
-REL_TOL = 1e-2 if ON_GPU else 2e-5
+# The interpreter computes in float32 (numpy): measured largest error 1.5e-6 of the reference's magnitude (the
+# chunked KDA output), so 1e-5. On a GPU fla's float32 GEMMs may use TF32 (10-bit mantissa): 1e-2 is that
+# format's precision over these reductions, not yet a measured value; GLM53_REPORT_TOL=1 prints every check's
+# relative error so a GPU run can measure it.
+REL_TOL = 1e-2 if ON_GPU else 1e-5
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Max-abs error relative to the reference's scale (at least 1)."""
+    """Max-abs error relative to the reference's own largest magnitude (no floor: a tensor of small values is
+    held to the same relative precision as one of large values; an all-zero reference must be matched exactly)."""
     got, want = got.detach().float().cpu(), want.detach().float().cpu()
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     err = (got - want).abs().max().item() if want.numel() else 0.0
-    scale = max(1.0, want.abs().max().item() if want.numel() else 0.0)
+    scale = want.abs().max().item() if want.numel() else 0.0
+    if os.environ.get("GLM53_REPORT_TOL"):
+        print(f"TOL {what}: {err / scale if scale else err:.3g}")
     assert err <= REL_TOL * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
 
 
