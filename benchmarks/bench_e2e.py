@@ -177,7 +177,8 @@ def child(args, side: str, tp: int, bind: str | None) -> dict:
 
 
 def compare_tokens(ours: dict, ref: dict, dtype: str) -> str:
-    """Every generated token of the two sides, per prompt length and batch; a float32 mismatch is an error."""
+    """Every generated token of the two sides, per prompt length and batch: (summary, whether it is a failure, i.e.
+    any difference in float32)."""
     same = total = 0
     first_diff = None
     for n in ours:
@@ -192,11 +193,9 @@ def compare_tokens(ours: dict, ref: dict, dtype: str) -> str:
                 elif first_diff is None:
                     at = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
                     first_diff = f"{n}-token prompts, batch {B}, sequence {i}, token {at}: {a[at]} vs {b[at]}"
-    if dtype == "float32" and same != total:
-        raise SystemExit(f"plugin and transformers generated different tokens ({total - same} of {total} "
-                         f"sequences; first: {first_diff})")
-    return f"{same} of {total} generated sequences identical" + (f" (first difference: {first_diff})"
-                                                                  if first_diff else "")
+    summary = f"{same} of {total} generated sequences identical" + (f" (first difference: {first_diff})"
+                                                                     if first_diff else "")
+    return summary, dtype == "float32" and same != total
 
 
 def bind_sweep(args) -> None:
@@ -285,7 +284,7 @@ def main() -> None:
             ref = child(args, "transformers", args.tp, bind)
         except RuntimeError as exc:
             sys.exit(f"a benchmark process failed:\n{str(exc)[-6000:]}")
-        agreement = compare_tokens(ours, ref, args.dtype)
+        agreement, mismatch = compare_tokens(ours, ref, args.dtype)
 
     from vllm_glm53.backends.cpu import kernels
 
@@ -293,6 +292,8 @@ def main() -> None:
           f"VLLM_CPU_OMP_THREADS_BIND={bind} (transformers pinned to cores {cpus_of(bind)}), n1 {args.n1}, "
           f"n2 {args.n2}, median of {args.repeat}; plugin backends: {kernels.description()}; {agreement}\n")
     print(table(ours, ref, args))
+    if mismatch:  # after the table, so a long run's numbers are not lost
+        sys.exit(f"float32: the plugin and transformers generated different tokens: {agreement}")
 
 
 if __name__ == "__main__":
