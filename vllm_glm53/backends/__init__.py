@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
@@ -33,10 +32,10 @@ __all__ = ["indexer_ops", "kda_ops", "mhc_ops", "mla_ops", "moe_ops", "backend_n
 
 
 def _platform() -> str:
-    forced = os.environ.get("VLLM_GLM53_BACKEND", "").strip().lower()
-    if forced:
-        if forced not in _PACKAGES:
-            raise ValueError(f"VLLM_GLM53_BACKEND={forced!r}: expected one of {sorted(_PACKAGES)}")
+    from vllm_glm53 import envs
+
+    forced = envs.VLLM_GLM53_BACKEND  # auto, or a platform name _PACKAGES maps (envs checks the value)
+    if forced != "auto":
         return forced
     try:
         from vllm_glm53 import _vllm

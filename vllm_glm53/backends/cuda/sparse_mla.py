@@ -23,7 +23,6 @@ plan rejects the FP8 view, and FlashMLA's FP8 layout assumes a 64-wide RoPE part
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -183,7 +182,9 @@ def _flashmla_sparse_attention(fwd, q_lat: torch.Tensor, latent: torch.Tensor, i
 
 def _flashmla_fwd(q_lat: torch.Tensor, latent: torch.Tensor):
     """FlashMLA's sparse forward if it applies to this call, else None."""
-    if os.environ.get("VLLM_GLM53_SPARSE_MLA", "auto") == "triton":
+    from vllm_glm53 import envs
+
+    if envs.VLLM_GLM53_SPARSE_MLA == "triton":
         return None
     if not q_lat.is_cuda or q_lat.dtype != torch.bfloat16 or q_lat.shape[-1] != 512 or latent.shape[-1] != 512:
         return None
