@@ -256,3 +256,59 @@ def test_default_options_are_served(engine_config):
     config = engine_config()
     assert not config.cache_config.enable_prefix_caching  # off on CPU, decided before vLLM's hybrid hook
     check_serve_options(config)  # raises if anything were refused
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The multimodal hand-off: where vLLM's own model serves, the plugin's renderer feeds vLLM's own processor.
+# ---------------------------------------------------------------------------------------------------------------
+
+# What the released checkpoint ships beside its weights, and vLLM's processor (transformers' Glm5NextProcessor)
+# needs; the plugin's processor reads the same files.
+HF_PROCESSOR_FILES = {
+    "processor_config.json": {"processor_class": "Glm5NextProcessor"},
+    "preprocessor_config.json": {"image_processor_type": "Glm5NextImageProcessor"},
+    "video_preprocessor_config.json": {"video_processor_type": "Glm5NextVideoProcessor"},
+}
+
+
+@pytest.mark.parametrize("size", [(300, 400), (64, 900)])
+def test_the_plugins_renderer_feeds_vllms_own_multimodal_processor(size, tmp_path_factory):
+    """A chat with an image, rendered by the plugin (the tokenizer mode's format), goes through vLLM's own GLM5Next
+    processor (in a child process: it needs a torchvision stand-in) and through the plugin's: the same expanded
+    prompt, placeholder ranges, patch grid and number of pixel rows."""
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from tests.vllm_glm5next import summarize
+    from vllm_glm53 import _vllm
+    from vllm_glm53.chat import render
+    from vllm_glm53.tiny import build_checkpoint
+
+    root = tmp_path_factory.mktemp("handoff")
+    ckpt = root / "ckpt"
+    shutil.copytree(build_checkpoint(root / "built"), ckpt)
+    for name, content in HF_PROCESSOR_FILES.items():
+        (ckpt / name).write_text(json.dumps(content))
+    text = render([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}])
+    prompt = AutoTokenizer.from_pretrained(str(ckpt)).encode(text, add_special_tokens=False)
+    pixels = np.random.default_rng(7).integers(0, 256, (*size, 3), dtype=np.uint8)
+    np.save(root / "image.npy", pixels)
+    (root / "spec.json").write_text(json.dumps({"prompt": prompt, "image": str(root / "image.npy"),
+                                                "max_model_len": 4096}))
+
+    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "vllm_glm5next.py"), "process",
+                          str(ckpt), str(root / "spec.json")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    theirs = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("PROCESSED"))[len("PROCESSED"):])
+
+    ours_processor = _vllm.multimodal_processor(ckpt, max_model_len=4096, limit_mm_per_prompt={"image": 1, "video": 0})
+    ours = summarize(ours_processor(prompt, ours_processor.info.parse_mm_data({"image": [Image.fromarray(pixels)]}),
+                                    hf_processor_mm_kwargs={}))
+    assert ours == theirs
+    # and the layout is the one the prompt asked for: one placeholder run, as many rows as the grid's merged patches
+    (offset, length), = ours["placeholders"]
+    t, h, w = ours["image_grid_thw"]
+    assert ours["pixel_rows"] == t * h * w and length >= t * h * w // 4
