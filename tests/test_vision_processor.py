@@ -19,7 +19,6 @@ import pickle
 import subprocess
 import sys
 import tempfile
-import textwrap
 from dataclasses import replace
 
 import numpy as np
@@ -27,6 +26,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests import torchvision_standin
 from vllm_glm53.model.multimodal import (
     IMAGE_DEFAULTS,
     VIDEO_DEFAULTS,
@@ -40,49 +40,6 @@ from vllm_glm53.model.multimodal import (
 # transformers' video processor in a subprocess with a torchvision stub
 # ---------------------------------------------------------------------------------------------------------
 
-_STUB = {
-    "torchvision/__init__.py": '__version__ = "0.28.0"\n',
-    "torchvision-0.28.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n",
-    "torchvision/io.py": """
-        import enum
-        class ImageReadMode(enum.Enum):
-            UNCHANGED = 0
-            RGB = 3
-        def decode_image(*args, **kwargs):
-            raise NotImplementedError("torchvision stub")
-    """,
-    "torchvision/transforms/__init__.py": """
-        import enum
-        class InterpolationMode(enum.Enum):
-            NEAREST = "nearest"
-            NEAREST_EXACT = "nearest-exact"
-            BILINEAR = "bilinear"
-            BICUBIC = "bicubic"
-            BOX = "box"
-            HAMMING = "hamming"
-            LANCZOS = "lanczos"
-    """,
-    "torchvision/transforms/functional.py": """
-        def pil_to_tensor(*args, **kwargs):
-            raise NotImplementedError("torchvision stub")
-    """,
-    "torchvision/transforms/v2/__init__.py": "",
-    "torchvision/transforms/v2/functional.py": """
-        import torch.nn.functional as F
-        def pad(x, padding, fill=0):
-            left, top, right, bottom = padding
-            return F.pad(x, (left, right, top, bottom), value=fill)
-        def normalize(x, mean, std, inplace=False):
-            x = x if inplace else x.clone()
-            return x.sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
-        def grayscale_to_rgb(x):
-            if x.shape[-3] != 3:
-                raise NotImplementedError("torchvision stub: RGB frames only")
-            return x
-        def resize(*args, **kwargs):
-            raise NotImplementedError("torchvision stub: choose frames that need no resizing")
-    """,
-}
 
 _RUNNER = """
 import pickle, sys
@@ -127,12 +84,8 @@ def hf_reference(jobs: list[tuple[str, object]]) -> list:
     metadata)`` -> frame indices; ``("video", (frames, metadata, kwargs))`` -> pixels, grid, frame indices;
     ``("processor", (tokenizer_dir, text, images, videos))`` -> ``Glm5NextProcessor`` outputs."""
     with tempfile.TemporaryDirectory() as d:
-        stub = os.path.join(d, "stub")
-        for rel, text in _STUB.items():
-            path = os.path.join(stub, rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
-                f.write(textwrap.dedent(text))
+        # resize absent: the reference resizes no frame with anything but torchvision's own kernel
+        stub = str(torchvision_standin.write(os.path.join(d, "stub"), resize=False))
         jobs_path, out_path = os.path.join(d, "jobs.pkl"), os.path.join(d, "out.pkl")
         with open(jobs_path, "wb") as f:
             pickle.dump(jobs, f)

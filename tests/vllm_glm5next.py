@@ -10,75 +10,19 @@ multimodal processor turning a prompt and an image into its placeholder layout. 
 
 from __future__ import annotations
 
+import os
 import sys
-
-
-# A stand-in torchvision package: what transformers' GLM image/video processors and vLLM's glm4_1v touch at import
-# and while turning a PIL image into patches. Its resize is bilinear, not torchvision's antialiased bicubic: pixel
-# values differ from the real processor's, the patch grid and the prompt layout (all the tests compare) do not.
-_STANDIN = {
-    "torchvision/__init__.py": '__version__ = "0.28.0"\n',
-    "torchvision-0.28.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n",
-    "torchvision/io.py": """
-import enum
-class ImageReadMode(enum.Enum):
-    UNCHANGED = 0
-    RGB = 3
-def decode_image(*args, **kwargs):
-    raise NotImplementedError("torchvision stand-in")
-""",
-    "torchvision/transforms/__init__.py": """
-import enum
-class InterpolationMode(enum.Enum):
-    NEAREST = "nearest"
-    NEAREST_EXACT = "nearest-exact"
-    BILINEAR = "bilinear"
-    BICUBIC = "bicubic"
-    BOX = "box"
-    HAMMING = "hamming"
-    LANCZOS = "lanczos"
-""",
-    "torchvision/transforms/functional.py": """
-from torchvision.transforms.v2.functional import pil_to_tensor
-def to_pil_image(*args, **kwargs):
-    raise NotImplementedError("torchvision stand-in")
-""",
-    "torchvision/transforms/v2/__init__.py": "",
-    "torchvision/transforms/v2/functional.py": """
-import numpy as np
-import torch
-import torch.nn.functional as F
-from torchvision.transforms import InterpolationMode
-def pil_to_tensor(image):
-    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
-def pad(x, padding, fill=0):
-    left, top, right, bottom = padding
-    return F.pad(x, (left, right, top, bottom), value=fill)
-def normalize(x, mean, std, inplace=False):
-    x = x if inplace else x.clone()
-    return x.sub_(torch.as_tensor(mean).view(-1, 1, 1)).div_(torch.as_tensor(std).view(-1, 1, 1))
-def grayscale_to_rgb(x):
-    return x
-def resize(x, size, interpolation=None, antialias=True, **kwargs):
-    batched = x.float() if x.dim() == 4 else x.float().unsqueeze(0)
-    y = F.interpolate(batched, size=list(size), mode="bilinear", antialias=True, align_corners=False)
-    y = y if x.dim() == 4 else y[0]
-    return y if x.is_floating_point() else y.round().clamp(0, 255).to(x.dtype)
-def to_dtype(x, dtype, scale=False):
-    return x.to(dtype)
-""",
-}
 
 
 def install():
     """Put the torchvision stand-in on the path, import vLLM's GLM5Next package and return it."""
     import tempfile
-    from pathlib import Path
 
-    root = Path(tempfile.mkdtemp(prefix="torchvision-standin-"))
-    for rel, text in _STANDIN.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torchvision_standin
+
+    # Only the patch grid and the prompt layout are compared: the bilinear resize stand-in is enough.
+    root = torchvision_standin.write(tempfile.mkdtemp(prefix="torchvision-standin-"), resize=True)
     sys.path.insert(0, str(root))  # before transformers decides whether torchvision is available
     import vllm.models.glm5next as glm5next
 
