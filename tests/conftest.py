@@ -3,6 +3,7 @@ serves prompts through vLLM + the plugin in a separate process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -63,6 +64,23 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
         if metrics:
             return results, json.loads(Path(str(out) + ".metrics.json").read_text())
         return results
+
+
+@contextlib.contextmanager
+def served(path, extra_args: tuple[str, ...] = (), features: tuple[str, ...] = ()):
+    """``vllm serve`` of ``path`` with the CPU recipe's flags on a free local port, healthy, stopped on exit:
+    ``{"url", "path", "server"}`` (one server per test module: use it in a module-scoped fixture)."""
+    from vllm_glm53.demo import Server, free_port, serve_command
+
+    port = free_port()
+    argv, env = serve_command(path, port, extra_args=tuple(extra_args), features=tuple(features))
+    srv = Server(argv, env, echo=False)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        srv.wait_healthy(url, timeout=600)
+        yield {"url": url, "path": path, "server": srv}
+    finally:
+        srv.stop()
 
 
 def hf_model(path, dtype="float32"):

@@ -45,19 +45,11 @@ def _metric(text: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt):
-    from vllm_glm53.demo import Server, free_port, serve_command
+    from conftest import served
 
     path = tiny_ckpt("serve-flat", layout="flat", seed=5)
-    port = free_port()
-    argv, env = serve_command(path, port, extra_args=("--max-model-len", str(MAX_MODEL_LEN),
-                                                      "--max-num-seqs", "64"))
-    srv = Server(argv, env, echo=False)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        srv.wait_healthy(url, timeout=600)
-        yield {"url": url, "path": path, "server": srv}
-    finally:
-        srv.stop()
+    with served(path, ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -42,24 +42,16 @@ def _data_url(mime: str, data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt, tmp_path_factory):
-    from vllm_glm53.demo import Server, free_port, serve_command
+    from conftest import served
 
-    path = tiny_ckpt("default")
     media = tmp_path_factory.mktemp("media")
-    port = free_port()
-    argv, env = serve_command(path, port, extra_args=(
+    with served(tiny_ckpt("default"), (
         "--max-model-len", "1024",
         "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
         "--allowed-local-media-path", str(media),
         "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}',
-    ))
-    srv = Server(argv, env, echo=False)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        srv.wait_healthy(url, timeout=600)
-        yield {"url": url, "path": path, "media": media}
-    finally:
-        srv.stop()
+    )) as server:
+        yield {**server, "media": media}
 
 
 @pytest.fixture(scope="module")

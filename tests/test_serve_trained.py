@@ -19,19 +19,11 @@ MTP_DRAFTS = 2
 
 @pytest.fixture(scope="module")
 def server():
-    from vllm_glm53.demo import Server, free_port, serve_command
+    from conftest import served
     from vllm_glm53.tiny_trained import shipped_checkpoint
 
-    path = shipped_checkpoint()
-    port = free_port()
-    argv, env = serve_command(path, port, extra_args=("--max-model-len", "1024"), features=(f"mtp={MTP_DRAFTS}",))
-    srv = Server(argv, env, echo=False)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        srv.wait_healthy(url, timeout=600)
-        yield {"url": url, "path": path, "server": srv}
-    finally:
-        srv.stop()
+    with served(shipped_checkpoint(), ("--max-model-len", "1024"), features=(f"mtp={MTP_DRAFTS}",)) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
