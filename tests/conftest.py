@@ -34,6 +34,20 @@ def tiny_ckpt(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory):
+    """The plugin's ``glm5_next`` tokenizer over the tiny checkpoint's BPE with all GLM added tokens (the parser
+    tests tokenise model outputs with it); a module may define its own ``tok``."""
+    import vllm_glm53
+    from vllm_glm53.chat.tokenizer import Glm5NextTokenizer
+    from vllm_glm53.tiny import write_tokenizer
+
+    path = tmp_path_factory.mktemp("glm_tokenizer")
+    write_tokenizer(path)
+    vllm_glm53.register()
+    return Glm5NextTokenizer.from_pretrained(str(path))
+
+
 class EngineRunError(AssertionError):
     """The engine process failed; ``stderr`` holds its whole log (vLLM logs to stdout; both are merged)."""
 

@@ -13,7 +13,6 @@ import json
 
 import pytest
 
-import vllm_glm53
 from parser_harness import (
     MODES,
     STREAM_MODES,
@@ -32,10 +31,8 @@ from parser_harness import (
 )
 from parser_harness import agree as agree_modes
 from parser_harness import request as make_request
-from vllm_glm53.chat.tokenizer import Glm5NextTokenizer
 from vllm_glm53.parsers.reasoning import Glm47ReasoningParser
 from vllm_glm53.parsers.tool import Glm47ToolParser
-from vllm_glm53.tiny import write_tokenizer
 
 TOOLS = [
     function("get_weather", {"city": {"type": "string"}, "days": {"type": "integer"}, "units": {"enum": ["c", "f"]}}),
@@ -54,14 +51,6 @@ TOOLS = [
     ),
     function("list_tools"),
 ]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("glm_tokenizer")
-    write_tokenizer(path)
-    vllm_glm53.register()
-    return Glm5NextTokenizer.from_pretrained(str(path))
 
 
 @pytest.fixture(scope="module", params=name_groups())

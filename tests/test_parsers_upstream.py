@@ -22,7 +22,6 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     FunctionDefinition,
 )
 
-import vllm_glm53
 from parser_harness import (
     MODES,
     Result,
@@ -35,8 +34,6 @@ from parser_harness import (
     run_tool_parser,
     streamed_as_oneshot,
 )
-from vllm_glm53.chat.tokenizer import Glm5NextTokenizer
-from vllm_glm53.tiny import write_tokenizer
 
 S = {"type": "string"}
 TOOLS = [
@@ -405,14 +402,6 @@ CASES = {
         calls=[call("apply_diff", old_string="    indented code", new_string="        also indented")],
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("glm_tokenizer")
-    write_tokenizer(path)
-    vllm_glm53.register()
-    return Glm5NextTokenizer.from_pretrained(str(path))
 
 
 def modes_of(spec):

@@ -10,7 +10,6 @@ asserted by the case's own test in ``test_parsers.py`` / ``test_parsers_upstream
 
 import pytest
 
-import vllm_glm53
 import test_parsers as own
 import test_parsers_upstream as upstream
 from parser_harness import (
@@ -23,9 +22,7 @@ from parser_harness import (
     run_tool_parser,
     vllm_classes,
 )
-from vllm_glm53.chat.tokenizer import Glm5NextTokenizer
 from vllm_glm53.parsers.reasoning import Glm47ReasoningParser
-from vllm_glm53.tiny import write_tokenizer
 
 IMPROVEMENTS = {
     "text_after_calls": "text after or between tool calls stays in content one-shot (vLLM drops it; SGLang keeps it)",
@@ -111,14 +108,6 @@ def inputs():
 
 
 INPUTS = {(driver, case_id): (output, factory) for driver, case_id, output, factory in inputs()}
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = tmp_path_factory.mktemp("glm_tokenizer")
-    write_tokenizer(path)
-    vllm_glm53.register()
-    return Glm5NextTokenizer.from_pretrained(str(path))
 
 
 def results(tok, name, side, driver, output, factory):
