@@ -209,20 +209,30 @@ def _mtp_tensors(hf_config, generator) -> dict:
             else:
                 p.copy_(torch.zeros(p.shape))
         _perturb(block, generator)
-        for name, t in list(block.named_parameters()) + list(block.named_buffers()):
-            if name == "mlp.experts.gate_up_proj":
-                inter = t.shape[1] // 2
-                for e in range(t.shape[0]):
-                    out[f"mlp.experts.{e}.gate_proj.weight"] = t[e, :inter].clone()
-                    out[f"mlp.experts.{e}.up_proj.weight"] = t[e, inter:].clone()
-            elif name == "mlp.experts.down_proj":
-                for e in range(t.shape[0]):
-                    out[f"mlp.experts.{e}.down_proj.weight"] = t[e].clone()
-            else:
-                out[name] = t.detach().clone()
+        out.update(per_expert_tensors(list(block.named_parameters()) + list(block.named_buffers())))
         for norm in ("enorm", "hnorm", "shared_head.norm", "input_layernorm", "post_attention_layernorm"):
             out[f"{norm}.weight"] = 1.0 + 0.1 * torch.randn(d, generator=generator)
         out["eh_proj.weight"] = std * torch.randn(d, 2 * d, generator=generator)
+    return out
+
+
+def per_expert_tensors(named, prefix: str = "") -> dict:
+    """Module tensors in the checkpoint's layout: transformers stacks the routed experts (``mlp.experts.gate_up_proj``
+    ``[E, 2I, D]``, ``mlp.experts.down_proj`` ``[E, D, I]``); the released checkpoint stores one
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight`` per expert. Names get ``prefix``; every tensor is a copy."""
+    out = {}
+    for name, t in named:
+        t = t.detach()
+        if name == "mlp.experts.gate_up_proj":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = t[e, :inter].clone()
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = t[e, inter:].clone()
+        elif name == "mlp.experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[prefix + name] = t.clone()
     return out
 
 

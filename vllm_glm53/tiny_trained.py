@@ -378,20 +378,9 @@ def _load_mtp(layer, tensors: dict, prefix: str) -> None:
 
 def _mtp_tensors(layer, prefix: str) -> dict:
     """The module's tensors in the checkpoint's per-expert layout."""
-    out = {}
-    for name, t in layer.state_dict().items():
-        t = t.detach().clone().contiguous()
-        if name == "mlp.experts.gate_up_proj":
-            inter = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = t[e, :inter].clone()
-                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = t[e, inter:].clone()
-        elif name == "mlp.experts.down_proj":
-            for e in range(t.shape[0]):
-                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = t[e].clone()
-        else:
-            out[prefix + name] = t
-    return out
+    from vllm_glm53.tiny import per_expert_tensors
+
+    return {name: t.contiguous() for name, t in per_expert_tensors(layer.state_dict().items(), prefix).items()}
 
 
 # ---------------------------------------------------------------------------------------------------------
