@@ -1,5 +1,6 @@
-// KDA (Kimi Delta Attention) on CPU: the fused decode step, the prefill recurrence and the decode-time short
-// convolution. Same maths and layouts as vllm_glm53/backends/cpu/kda.py (state [H, dk, dv] float32, key-major).
+// KDA (Kimi Delta Attention) on CPU: the delta rule and the short convolution for a whole batch over vLLM's
+// state pools (decodes, prefills, continued prefill chunks and speculative verification in one call each). Same
+// maths and layouts as vllm_glm53/backends/cpu/kda.py (state [H, dk, dv] float32, key-major).
 //
 // Per head and token, with a = exp(g):
 //     S' = diag(a) S ;  r = S'^T k ;  u = beta (v - r) ;  S <- S' + k u^T ;  o = S^T q (the new S)
@@ -110,176 +111,209 @@ void check_f32(const at::Tensor& t, const char* name) {
 
 }  // namespace
 
-// q, k, g [B, H, dk], v [B, H, dv], beta [B, H] float32. ``state`` is [B, H, dk, dv] float32, or with ``slots``
-// [B] a pool [N, H, dk, dv] whose rows slots[b] are the sequences' states (any slot/head strides, rows
-// contiguous). Updated in place; slots < 0 (padding) are skipped and give zeros. Returns o [B, H, dv] float32.
-at::Tensor kda_decode_step(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& g_,
-                           const at::Tensor& beta_, at::Tensor& state, const std::optional<at::Tensor>& slots_) {
-  for (const at::Tensor* p : {&q_, &k_, &v_, &g_, &beta_, static_cast<const at::Tensor*>(&state)})
-    check_f32(*p, "inputs and state");
-  at::Tensor q = last_dim_contiguous(q_), k = last_dim_contiguous(k_), v = last_dim_contiguous(v_),
-             g = last_dim_contiguous(g_), beta = beta_;
-  const int64_t B = q.size(0), H = q.size(1), dk = q.size(2), dv = v.size(2);
-  TORCH_CHECK(k.sizes() == q.sizes() && g.sizes() == q.sizes(), "kda_decode_step: q, k, g shapes differ");
-  TORCH_CHECK(v.size(0) == B && v.size(1) == H && beta.size(0) == B && beta.size(1) == H,
-              "kda_decode_step: v / beta shapes do not match q");
-  TORCH_CHECK(state.dim() == 4 && state.size(1) == H && state.size(2) == dk && state.size(3) == dv,
-              "kda_decode_step: state must be [*, H, dk, dv]");
-  TORCH_CHECK(state.stride(3) == 1, "kda_decode_step: state rows must be contiguous");
-  at::Tensor slots;
-  if (slots_.has_value()) {
-    slots = slots_->to(at::kLong).contiguous();
-    TORCH_CHECK(slots.numel() == B, "kda_decode_step: need one slot per sequence");
-  } else {
-    TORCH_CHECK(state.size(0) == B, "kda_decode_step: state batch differs from q");
-  }
-  const int64_t* slot_ptr = slots.defined() ? slots.data_ptr<int64_t>() : nullptr;
-  const int64_t n_slots = state.size(0);
 
-  at::Tensor o = at::empty({B, H, dv}, q.options());
+// ----------------------------------------------------------------------------------------------------------------
+// Batch-wide (varlen) forms: every request of a step in one call, reading and writing vLLM's state pools through
+// the step plan (vllm_glm53/backends/plans.py, StateSlots). Request r owns tokens cu_seqlens[r] .. cu_seqlens[r+1]
+// of the batch; it starts from the state in pool slot state_in[r] (-1: from zeros, a fresh sequence) and, for each
+// column j with state_out_at[r, j] >= 0, the state right after its token state_out_at[r, j] is stored in slot
+// state_out[r, j]. A decode or prefill stores once, after its last token, in its own slot; a request verifying
+// speculative drafts stores after every token, one slot per draft position, so whichever draft the sampler
+// accepts, the next step starts from the right state. Zero-length requests (padding) are skipped.
+// ----------------------------------------------------------------------------------------------------------------
+namespace {
+
+// One request's state bookkeeping, validated once before the parallel region.
+struct StateSchedule {
+  const int64_t* cu;
+  const int64_t* in;
+  const int64_t* out;
+  const int64_t* at;
+  int64_t W;
+  // Output columns of request r sorted by the token they follow (W is 1 + the draft count: a few entries).
+  void sorted_outputs(int64_t r, std::vector<std::pair<int64_t, int64_t>>& outs) const {
+    outs.clear();
+    for (int64_t j = 0; j < W; ++j)
+      if (at[r * W + j] >= 0) outs.emplace_back(at[r * W + j], out[r * W + j]);
+    std::sort(outs.begin(), outs.end());
+  }
+};
+
+StateSchedule check_schedule(const at::Tensor& cu, const at::Tensor& in, const at::Tensor& out,
+                             const at::Tensor& at_, int64_t n_tokens, int64_t n_slots, const char* op) {
+  const int64_t R = in.numel();
+  TORCH_CHECK(cu.numel() == R + 1, op, ": cu_seqlens needs num_reqs + 1 entries");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == R && at_.sizes() == out.sizes(),
+              op, ": state_out and state_out_at must both be [num_reqs, W]");
+  StateSchedule s{cu.data_ptr<int64_t>(), in.data_ptr<int64_t>(), out.data_ptr<int64_t>(), at_.data_ptr<int64_t>(),
+                  out.size(1)};
+  TORCH_CHECK(s.cu[0] >= 0 && s.cu[R] <= n_tokens, op, ": cu_seqlens outside the ", n_tokens, " tokens");
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t len = s.cu[r + 1] - s.cu[r];
+    TORCH_CHECK(len >= 0, op, ": cu_seqlens must not decrease");
+    TORCH_CHECK(s.in[r] < n_slots, op, ": state_in slot ", s.in[r], " outside the pool of ", n_slots);
+    for (int64_t j = 0; j < s.W; ++j) {
+      const int64_t t = s.at[r * s.W + j], slot = s.out[r * s.W + j];
+      if (t < 0) continue;
+      TORCH_CHECK(t < len, op, ": request ", r, " stores a state after token ", t, " of ", len);
+      TORCH_CHECK(slot >= 0 && slot < n_slots, op, ": state_out slot ", slot, " outside the pool of ", n_slots);
+    }
+  }
+  return s;
+}
+
+at::Tensor as_long(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
+
+}  // namespace
+
+// q, k, g [T, H, dk], v [T, H, dv], beta [T, H] float32; pool [N, H, dk, dv] float32 (rows contiguous, any
+// slot/head strides), read and written per the schedule above. Returns o [T, H, dv] float32 (zeros for tokens
+// outside every request). Each (request, head, column group) is an independent task: its state group is copied
+// into an L1-sized buffer, run token by token through recur_group, and
+// copied out at each store point, so memory sees each state read once and written once per store.
+at::Tensor kda_varlen(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& g_,
+                      const at::Tensor& beta, at::Tensor& pool, const at::Tensor& cu_seqlens,
+                      const at::Tensor& state_in, const at::Tensor& state_out, const at::Tensor& state_out_at) {
+  for (const at::Tensor* p : {&q_, &k_, &v_, &g_, &beta, static_cast<const at::Tensor*>(&pool)})
+    check_f32(*p, "inputs and state pool");
+  at::Tensor q = last_dim_contiguous(q_), k = last_dim_contiguous(k_), v = last_dim_contiguous(v_),
+             g = last_dim_contiguous(g_);
+  const int64_t T = q.size(0), H = q.size(1), dk = q.size(2), dv = v.size(2);
+  TORCH_CHECK(k.sizes() == q.sizes() && g.sizes() == q.sizes(), "kda_varlen: q, k, g shapes differ");
+  TORCH_CHECK(v.size(0) == T && v.size(1) == H && beta.size(0) == T && beta.size(1) == H,
+              "kda_varlen: v / beta shapes do not match q");
+  TORCH_CHECK(pool.dim() == 4 && pool.size(1) == H && pool.size(2) == dk && pool.size(3) == dv,
+              "kda_varlen: pool must be [N, H, dk, dv]");
+  TORCH_CHECK(pool.stride(3) == 1, "kda_varlen: pool rows must be contiguous");
+  at::Tensor cu = as_long(cu_seqlens), in = as_long(state_in), out = as_long(state_out), at_ = as_long(state_out_at);
+  const StateSchedule sched = check_schedule(cu, in, out, at_, T, pool.size(0), "kda_varlen");
+  const int64_t R = in.numel();
+
+  at::Tensor o = at::zeros({T, H, dv}, q.options());
   const int64_t group_cols = kGroupVecs * kLanes;
   const int64_t n_groups = (dv + group_cols - 1) / group_cols;
-  float* sp = state.data_ptr<float>();
+  float* sp = pool.data_ptr<float>();
+  const int64_t ps0 = pool.stride(0), ps1 = pool.stride(1), ps2 = pool.stride(2);
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *gp = g.data_ptr<float>(),
               *vp = v.data_ptr<float>(), *bp = beta.data_ptr<float>();
   float* op = o.data_ptr<float>();
 
-  at::parallel_for(0, B * H * n_groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(3 * dk);
+  at::parallel_for(0, R * H * n_groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(3 * dk), S(dk * group_cols);
+    std::vector<std::pair<int64_t, int64_t>> outs;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (H * n_groups), h = (task / n_groups) % H, grp = task % n_groups;
+      const int64_t r = task / (H * n_groups), h = (task / n_groups) % H, grp = task % n_groups;
+      const int64_t t0 = sched.cu[r], len = sched.cu[r + 1] - t0;
+      if (len == 0) continue;
       const int64_t c0 = grp * group_cols;
       const int ncols = static_cast<int>(std::min(group_cols, dv - c0));
-      const int64_t slot = slot_ptr ? slot_ptr[b] : b;
-      float* o_bh = op + b * o.stride(0) + h * o.stride(1) + c0;
-      if (slot < 0) {
-        std::fill(o_bh, o_bh + ncols, 0.0f);
-        continue;
+      const int64_t slot_in = sched.in[r];
+      for (int64_t i = 0; i < dk; ++i) {
+        float* dst = S.data() + i * group_cols;
+        if (slot_in >= 0) {
+          const float* src = sp + slot_in * ps0 + h * ps1 + i * ps2 + c0;
+          std::copy(src, src + ncols, dst);
+        } else {
+          std::fill(dst, dst + ncols, 0.0f);
+        }
       }
-      TORCH_CHECK(slot < n_slots, "kda_decode_step: slot ", slot, " outside the state pool of ", n_slots);
-      HeadInputs in{qp + b * q.stride(0) + h * q.stride(1),
-                    kp + b * k.stride(0) + h * k.stride(1),
-                    gp + b * g.stride(0) + h * g.stride(1),
-                    vp + b * v.stride(0) + h * v.stride(1) + c0,
-                    bp + b * beta.stride(0) + h * beta.stride(1),
-                    0, 0, 0, 0, 0,
-                    o_bh,
-                    0};
-      float* S = sp + slot * state.stride(0) + h * state.stride(1) + c0;
-      run_group(S, state.stride(2), dk, ncols, in, 1, scratch.data());
+      sched.sorted_outputs(r, outs);
+      int64_t t = 0;
+      auto run = [&](int64_t upto) {  // tokens t .. upto - 1 of the request
+        if (upto <= t) return;
+        const int64_t tok = t0 + t;
+        HeadInputs hin{qp + tok * q.stride(0) + h * q.stride(1), kp + tok * k.stride(0) + h * k.stride(1),
+                       gp + tok * g.stride(0) + h * g.stride(1), vp + tok * v.stride(0) + h * v.stride(1) + c0,
+                       bp + tok * beta.stride(0) + h * beta.stride(1),
+                       q.stride(0), k.stride(0), g.stride(0), v.stride(0), beta.stride(0),
+                       op + tok * o.stride(0) + h * o.stride(1) + c0, o.stride(0)};
+        run_group(S.data(), group_cols, dk, ncols, hin, upto - t, scratch.data());
+        t = upto;
+      };
+      for (const auto& [after, slot] : outs) {
+        run(after + 1);
+        for (int64_t i = 0; i < dk; ++i) {
+          const float* src = S.data() + i * group_cols;
+          std::copy(src, src + ncols, sp + slot * ps0 + h * ps1 + i * ps2 + c0);
+        }
+      }
+      run(len);  // tokens after the last store point still produce outputs
     }
   });
   return o;
 }
 
-// One sequence: q, k, g [T, H, dk], v [T, H, dv], beta [T, H] float32, initial_state [H, dk, dv] or None (zeros).
-// Returns (o [T, H, dv], final state [H, dk, dv]) float32; the initial state is not modified.
-std::tuple<at::Tensor, at::Tensor> kda_prefill(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                                               const at::Tensor& g_, const at::Tensor& beta,
-                                               const std::optional<at::Tensor>& initial_state) {
-  for (const at::Tensor* p : {&q_, &k_, &v_, &g_, &beta}) check_f32(*p, "inputs");
-  at::Tensor q = last_dim_contiguous(q_), k = last_dim_contiguous(k_), v = last_dim_contiguous(v_),
-             g = last_dim_contiguous(g_);
-  const int64_t T = q.size(0), H = q.size(1), dk = q.size(2), dv = v.size(2);
-  TORCH_CHECK(k.sizes() == q.sizes() && g.sizes() == q.sizes(), "kda_prefill: q, k, g shapes differ");
-  TORCH_CHECK(v.size(0) == T && v.size(1) == H && beta.size(0) == T && beta.size(1) == H,
-              "kda_prefill: v / beta shapes do not match q");
-  at::Tensor state;
-  if (initial_state.has_value()) {
-    TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({H, dk, dv}), "kda_prefill: state must be [H, dk, dv]");
-    state = initial_state->to(at::kFloat).clone(at::MemoryFormat::Contiguous);
-  } else {
-    state = at::zeros({H, dk, dv}, q.options());
-  }
-  at::Tensor o = at::empty({T, H, dv}, q.options());
-  if (T == 0) return {o, state};
-
-  const int64_t group_cols = kGroupVecs * kLanes;
-  const int64_t n_groups = (dv + group_cols - 1) / group_cols;
-  float* sp = state.data_ptr<float>();
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *gp = g.data_ptr<float>(),
-              *vp = v.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  float* op = o.data_ptr<float>();
-
-  // Each (head, column group) is an independent recurrence over the whole sequence.
-  at::parallel_for(0, H * n_groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(3 * dk);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / n_groups, c0 = (task % n_groups) * group_cols;
-      const int ncols = static_cast<int>(std::min(group_cols, dv - c0));
-      HeadInputs in{qp + h * q.stride(1), kp + h * k.stride(1), gp + h * g.stride(1),
-                    vp + h * v.stride(1) + c0, bp + h * beta.stride(1),
-                    q.stride(0), k.stride(0), g.stride(0), v.stride(0), beta.stride(0),
-                    op + h * o.stride(1) + c0, o.stride(0)};
-      run_group(sp + h * dk * dv + c0, dv, dk, ncols, in, T, scratch.data());
-    }
-  });
-  return {o, state};
-}
-
-// Short causal depthwise conv for one decode token per sequence, then SiLU. x [B, C], weight [C, K];
-// ``state`` [B, C, K-1] (or a pool [N, C, K-1] addressed by ``slots``) holds the last K-1 inputs, oldest first,
-// and is shifted in place. Returns [B, C] in x's dtype.
-at::Tensor causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight_, at::Tensor& state,
-                                const std::optional<at::Tensor>& slots_) {
-  TORCH_CHECK(x.dim() == 2 && state.dim() == 3, "causal_conv1d_update: x [B, C], state [*, C, K-1]");
-  const int64_t B = x.size(0), C = x.size(1), K = weight_.size(-1);
-  TORCH_CHECK(state.size(1) == C && state.size(2) == K - 1, "causal_conv1d_update: state must be [*, C, K-1]");
+// Short causal depthwise conv + SiLU for a whole batch: x [T, C], weight [C, K]; pool [N, C, K-1] holds each
+// slot's last K-1 pre-conv inputs (oldest first), read from state_in and stored per the schedule above (the
+// window after the token a store point names). Returns [T, C] in x's dtype, zeros outside every request.
+at::Tensor causal_conv1d_varlen(const at::Tensor& x, const at::Tensor& weight_, at::Tensor& pool,
+                                const at::Tensor& cu_seqlens, const at::Tensor& state_in,
+                                const at::Tensor& state_out, const at::Tensor& state_out_at) {
+  TORCH_CHECK(x.dim() == 2 && pool.dim() == 3, "causal_conv1d_varlen: x [T, C], pool [N, C, K-1]");
+  const int64_t T = x.size(0), C = x.size(1), K = weight_.size(-1);
+  TORCH_CHECK(K >= 2, "causal_conv1d_varlen: kernel width must be at least 2");
+  TORCH_CHECK(pool.size(1) == C && pool.size(2) == K - 1, "causal_conv1d_varlen: pool must be [N, C, K-1]");
   at::Tensor weight = weight_.reshape({C, K}).to(at::kFloat).contiguous();
-  at::Tensor slots;
-  if (slots_.has_value()) {
-    slots = slots_->to(at::kLong).contiguous();
-    TORCH_CHECK(slots.numel() == B, "causal_conv1d_update: need one slot per sequence");
-  } else {
-    TORCH_CHECK(state.size(0) == B, "causal_conv1d_update: state batch differs from x");
-  }
-  const int64_t* slot_ptr = slots.defined() ? slots.data_ptr<int64_t>() : nullptr;
-  at::Tensor out = at::empty({B, C}, x.options());
+  at::Tensor cu = as_long(cu_seqlens), in = as_long(state_in), out = as_long(state_out), at_ = as_long(state_out_at);
+  const StateSchedule sched = check_schedule(cu, in, out, at_, T, pool.size(0), "causal_conv1d_varlen");
+  const int64_t R = in.numel();
+  at::Tensor y = at::zeros({T, C}, x.options());
   const float* w = weight.data_ptr<float>();
-  const int64_t s0 = state.stride(0), s1 = state.stride(1), s2 = state.stride(2);
-  const int64_t n_slots = state.size(0);
+  const int64_t s0 = pool.stride(0), s1 = pool.stride(1), s2 = pool.stride(2);
+  const int64_t n_blocks = (C + kLanes - 1) / kLanes;
+  constexpr int kMaxTaps = 16;
+  TORCH_CHECK(K - 1 <= kMaxTaps, "causal_conv1d_varlen: kernel width above ", kMaxTaps + 1);
 
   GLM53_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv_x", [&] {
     using x_t = scalar_t;
-    GLM53_DISPATCH_FLOAT_TYPES(state.scalar_type(), "conv_state", [&] {
+    GLM53_DISPATCH_FLOAT_TYPES(pool.scalar_type(), "conv_state", [&] {
       using s_t = scalar_t;
       const x_t* xp = x.data_ptr<x_t>();
-      x_t* outp = out.data_ptr<x_t>();
-      s_t* stp = state.data_ptr<s_t>();
-      at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-        float y[kLanes];
-        for (int64_t b = b0; b < b1; ++b) {
-          const int64_t slot = slot_ptr ? slot_ptr[b] : b;
-          x_t* ob = outp + b * out.stride(0);
-          if (slot < 0) {
-            std::fill(ob, ob + C, x_t(0));
-            continue;
-          }
-          TORCH_CHECK(slot < n_slots, "causal_conv1d_update: slot ", slot, " outside the pool of ", n_slots);
-          s_t* st = stp + slot * s0;
-          for (int64_t c0 = 0; c0 < C; c0 += kLanes) {
-            const int m = static_cast<int>(std::min<int64_t>(kLanes, C - c0));
+      x_t* yp = y.data_ptr<x_t>();
+      s_t* pp = pool.data_ptr<s_t>();
+      // Tasks: (request, block of kLanes channels); the window of each channel lives in registers/stack.
+      at::parallel_for(0, R * n_blocks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<std::pair<int64_t, int64_t>> outs;
+        float win[kLanes][kMaxTaps];
+        float acc[kLanes];
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t r = task / n_blocks, c0 = (task % n_blocks) * kLanes;
+          const int64_t t0 = sched.cu[r], len = sched.cu[r + 1] - t0;
+          if (len == 0) continue;
+          const int m = static_cast<int>(std::min<int64_t>(kLanes, C - c0));
+          const int64_t slot_in = sched.in[r];
+          for (int i = 0; i < m; ++i)
+            for (int64_t j = 0; j < K - 1; ++j)
+              win[i][j] = slot_in >= 0 ? static_cast<float>(pp[slot_in * s0 + (c0 + i) * s1 + j * s2]) : 0.0f;
+          sched.sorted_outputs(r, outs);
+          size_t next = 0;
+          for (int64_t t = 0; t < len; ++t) {
+            const x_t* xt = xp + (t0 + t) * x.stride(0);
             for (int i = 0; i < m; ++i) {
-              const int64_t c = c0 + i;
-              s_t* sc = st + c * s1;
-              const float* wc = w + c * K;
-              const float xc = static_cast<float>(xp[b * x.stride(0) + c * x.stride(1)]);
-              float acc = 0.0f;
-              for (int64_t j = 0; j < K - 1; ++j) acc += static_cast<float>(sc[j * s2]) * wc[j];
-              y[i] = acc + xc * wc[K - 1];
-              for (int64_t j = 0; j + 1 < K - 1; ++j) sc[j * s2] = sc[(j + 1) * s2];
-              if (K > 1) sc[(K - 2) * s2] = static_cast<s_t>(xc);
+              const float* wc = w + (c0 + i) * K;
+              const float xc = static_cast<float>(xt[(c0 + i) * x.stride(1)]);
+              float a = 0.0f;
+              for (int64_t j = 0; j < K - 1; ++j) a += win[i][j] * wc[j];
+              acc[i] = a + xc * wc[K - 1];
+              for (int64_t j = 0; j + 1 < K - 1; ++j) win[i][j] = win[i][j + 1];
+              win[i][K - 2] = xc;
             }
-            // SiLU for the lane group at once: y / (1 + exp(-y)).
-            F16 yv = load(y, m);
-            store(y, yv / (set1(1.0f) + exp(zero() - yv)), m);
-            for (int i = 0; i < m; ++i) ob[c0 + i] = static_cast<x_t>(y[i]);
+            F16 av = load(acc, m);
+            store(acc, av / (set1(1.0f) + exp(zero() - av)), m);  // SiLU
+            x_t* yt = yp + (t0 + t) * y.stride(0) + c0;
+            for (int i = 0; i < m; ++i) yt[i] = static_cast<x_t>(acc[i]);
+            while (next < outs.size() && outs[next].first == t) {
+              const int64_t slot = outs[next++].second;
+              for (int i = 0; i < m; ++i)
+                for (int64_t j = 0; j < K - 1; ++j)
+                  pp[slot * s0 + (c0 + i) * s1 + j * s2] = static_cast<s_t>(win[i][j]);
+            }
           }
         }
       });
     });
   });
-  return out;
+  return y;
 }
 
 }  // namespace glm53

@@ -11,13 +11,12 @@
 
 namespace glm53 {
 
-at::Tensor kda_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                           const at::Tensor& beta, at::Tensor& state, const std::optional<at::Tensor>& slots);
-std::tuple<at::Tensor, at::Tensor> kda_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                               const at::Tensor& g, const at::Tensor& beta,
-                                               const std::optional<at::Tensor>& initial_state);
-at::Tensor causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, at::Tensor& state,
-                                const std::optional<at::Tensor>& slots);
+at::Tensor kda_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                      const at::Tensor& beta, at::Tensor& pool, const at::Tensor& cu_seqlens,
+                      const at::Tensor& state_in, const at::Tensor& state_out, const at::Tensor& state_out_at);
+at::Tensor causal_conv1d_varlen(const at::Tensor& x, const at::Tensor& weight, at::Tensor& pool,
+                                const at::Tensor& cu_seqlens, const at::Tensor& state_in,
+                                const at::Tensor& state_out, const at::Tensor& state_out_at);
 at::Tensor kpool_compress(const at::Tensor& k, const at::Tensor& gate, const at::Tensor& ape);
 at::Tensor index_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& pooled);
 at::Tensor select_tokens(const std::optional<at::Tensor>& scores, const at::Tensor& positions, int64_t topk,
@@ -45,11 +44,10 @@ std::string build_info() { return std::string(isa_name()) + " torch " + TORCH_VE
 
 TORCH_LIBRARY(vllm_glm53, m) {
   m.def("build_info() -> str", &glm53::build_info);
-  m.def("kda_decode_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) state, Tensor? slots)"
-        " -> Tensor");
-  m.def("kda_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state)"
-        " -> (Tensor, Tensor)");
-  m.def("causal_conv1d_update(Tensor x, Tensor weight, Tensor(a!) state, Tensor? slots) -> Tensor");
+  m.def("kda_varlen(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, Tensor cu_seqlens,"
+        " Tensor state_in, Tensor state_out, Tensor state_out_at) -> Tensor");
+  m.def("causal_conv1d_varlen(Tensor x, Tensor weight, Tensor(a!) pool, Tensor cu_seqlens, Tensor state_in,"
+        " Tensor state_out, Tensor state_out_at) -> Tensor");
   m.def("kpool_compress(Tensor k, Tensor gate, Tensor ape) -> Tensor");
   m.def("index_scores(Tensor q, Tensor weights, Tensor pooled) -> Tensor");
   m.def("select_tokens(Tensor? scores, Tensor positions, int topk, int kp, bool always_select_tail) -> Tensor");
@@ -66,9 +64,8 @@ TORCH_LIBRARY(vllm_glm53, m) {
 }
 
 TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
-  m.impl("kda_decode_step", &glm53::kda_decode_step);
-  m.impl("kda_prefill", &glm53::kda_prefill);
-  m.impl("causal_conv1d_update", &glm53::causal_conv1d_update);
+  m.impl("kda_varlen", &glm53::kda_varlen);
+  m.impl("causal_conv1d_varlen", &glm53::causal_conv1d_varlen);
   m.impl("kpool_compress", &glm53::kpool_compress);
   m.impl("index_scores", &glm53::index_scores);
   m.impl("select_tokens", &glm53::select_tokens);

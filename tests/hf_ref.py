@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import kda
 from vllm_glm53.backends.cpu import sparse_mla as mla
+from vllm_glm53.backends.plans import StateSlots
 from vllm_glm53.model.moe_routing import clamped_swiglu, route
 
 
@@ -132,13 +133,16 @@ def kda_layer_prefill(attn, x, conv_state=None, rec_state=None, chunk_size=64, r
 
 
 def kda_layer_decode(attn, x, conv_state, rec_state):
-    """One decode token for each of B sequences, ``x [B, D]``; states ``[B, C, K-1]`` / ``[B, H, dk, dv]`` are
-    updated in place. Returns ``[B, D]``."""
+    """One decode token for each of B sequences, ``x [B, D]``, through the batch-wide ops: states
+    ``[B, C, K-1]`` / ``[B, H, dk, dv]`` are the pools (slot b = sequence b), updated in place. Returns
+    ``[B, D]``."""
+    B = x.shape[0]
+    plan = StateSlots.single_slot(torch.arange(B + 1), torch.arange(B), torch.ones(B, dtype=torch.bool), B, 1)
     with torch.no_grad():
         z, w, a, beta, gate = kda_inputs(attn, x)
-        zc = kda.causal_conv1d_update(z, w, conv_state)
+        zc = kda.causal_conv1d_varlen(z, w, conv_state, plan)
         q, k, v, g = _kda_heads(attn, zc, a)
-        o = kda.kda_decode_step(q, k, v, g, beta, rec_state)
+        o = kda.kda_varlen(q, k, v, g, beta, rec_state, plan)
         return _kda_out(attn, o, gate, x.dtype)
 
 

@@ -36,6 +36,7 @@ import torch
 from vllm_glm53.backends.cpu import build, kda, kernels, mhc, moe
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import sparse_mla as mla
+from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
 
 ops = kernels.ops()
 ISA = kernels.isa()
@@ -115,117 +116,113 @@ def _kda_inputs(T, H, dk, dv, seed, lower_bound=-5.0, a_scale=1.0):
 
 SHAPES = [(1, 16, 16), (2, 24, 40), (3, 7, 70), (4, 128, 128)]  # (H, dk, dv): lane tails, >64-column groups
 
+# A mixed step: a decode, a prefill chunk continuing a cached state, a fresh prompt longer than a chunk, a
+# padding row (no tokens) and a fresh one-token prompt; slots of a 7-slot pool.
+MIXED_CU = [0, 1, 12, 82, 82, 83]
+MIXED_SLOTS = [5, 0, 3, 6, 2]
+MIXED_HAS_STATE = [True, True, False, True, False]
+
+
+def _mixed_plan():
+    cu = torch.tensor(MIXED_CU)
+    return StateSlots.single_slot(cu, torch.tensor(MIXED_SLOTS), torch.tensor(MIXED_HAS_STATE), MIXED_CU[-1],
+                                  int((cu[1:] - cu[:-1]).max()))
+
+
+def _spec_plan():
+    """Two requests verifying drafts (3 and 2 tokens, slots per draft position, resuming from the slot of the last
+    accepted token: column 1 and column 0) and one plain decode row."""
+    slots = torch.tensor([[6, 2, 3], [0, 4, 5]])
+    spec = StateSlots.speculative(torch.tensor([0, 3, 5]), slots, torch.tensor([2, 1]), 5, 3)
+    return spec
+
+
+def _padded_pool(N, shape, pad, seed):
+    """A pool inside padded pages, as vLLM binds state views (page stride larger than the state)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    pages = torch.randn(N, numel + pad, generator=_gen(seed))
+    return pages, pages[:, pad:].view(N, *shape)
+
 
 @pytest.mark.parametrize("H,dk,dv", SHAPES)
-def test_decode_step_matches_torch(H, dk, dv):
-    B = 5
-    q, k, v, g, beta = _kda_inputs(B, H, dk, dv, seed=dk + dv)
-    s0 = torch.randn(B, H, dk, dv, generator=_gen(1))
-    want_state = s0.clone()
-    want = kda.kda_decode_step_torch(q, k, v, g, beta, want_state)
-    state = s0.clone()
-    got = ops.kda_decode_step(q, k, v, g, beta, state, None)
-    # measured (ulps of max|reference|, avx2 / portable): 5.2 / 5.6
-    _close(got, want, ulps=24)
-    # measured (ulps of max|reference|, avx2 / portable): 0.66 / 0.64
-    _close(state, want_state, ulps=4)
-
-
-@pytest.mark.parametrize("H,dk,dv", SHAPES[1:3])
-def test_decode_step_on_pool_slots(H, dk, dv):
-    """States addressed by slot inside a pool of padded pages (vLLM binds state views with a page stride);
-    slot -1 is padding: no state touched, zeros out. Unaddressed slots stay as they were."""
-    B, N, pad = 4, 7, 33
-    q, k, v, g, beta = _kda_inputs(B, H, dk, dv, seed=3)
-    pages = torch.randn(N, H * dk * dv + pad, generator=_gen(4))
-    pool = pages[:, pad:].view(N, H, dk, dv)
-    slots = torch.tensor([5, -1, 0, 3])
+@pytest.mark.parametrize("which", ["mixed", "speculative"])
+def test_kda_varlen_matches_torch(H, dk, dv, which):
+    """The compiled batch op against its torch form (per request, the chunked delta rule between store points):
+    outputs, every stored state, and nothing else in the pool or its page padding touched."""
+    plan = _mixed_plan() if which == "mixed" else _spec_plan()
+    q, k, v, g, beta = _kda_inputs(plan.num_tokens, H, dk, dv, seed=dk + dv)
+    pages, pool = _padded_pool(7, (H, dk, dv), 33, seed=1)
     before = pages.clone()
-    got = kda.kda_decode_step_slots(q, k, v, g, beta, pool, slots)
-
-    ref_pool = before[:, pad:].view(N, H, dk, dv).clone()
-    want = kda.kda_decode_step_slots_torch(q, k, v, g, beta, ref_pool, slots)
-    # measured (ulps of max|reference|, avx2 / portable): 1.4 / 1.4
-    _close(got, want, ulps=6)
-    assert torch.equal(got[1], torch.zeros_like(got[1]))
-    # measured (ulps of max|reference|, avx2 / portable): 0.48 / 0.24
-    _close(pool, ref_pool, ulps=2)
-    assert torch.equal(pages[:, :pad], before[:, :pad])
-    untouched = [s for s in range(N) if s not in slots.tolist()]
-    assert torch.equal(pool[untouched], before[:, pad:].view(N, H, dk, dv)[untouched])
-
-
-@pytest.mark.parametrize("T", [1, 5, 64, 131])
-@pytest.mark.parametrize("with_state", [False, True])
-def test_prefill_matches_chunked_torch(T, with_state):
-    H, dk, dv = 3, 24, 70
-    q, k, v, g, beta = _kda_inputs(T, H, dk, dv, seed=T)
-    s0 = torch.randn(H, dk, dv, generator=_gen(5)) if with_state else None
-    s0_copy = None if s0 is None else s0.clone()
-    o, state = ops.kda_prefill(q, k, v, g, beta, s0)
-    want_o, want_state = kda.kda_chunked_torch(q, k, v, g, beta, s0)
-    # measured (ulps of max|reference|, avx2 / portable): 1.9 / 2.0
-    _close(o, want_o, ulps=8)
-    # measured (ulps of max|reference|, avx2 / portable): 2.2 / 1.5
-    _close(state, want_state, ulps=8)
-    if s0 is not None:
-        assert torch.equal(s0, s0_copy)  # the initial state is an input only
+    got = kda.kda_varlen.implementation("compiled")(q, k, v, g, beta, pool, plan)
+    ref_pool = before[:, 33:].view(7, H, dk, dv).clone()
+    want = kda.kda_varlen.implementation("torch")(q, k, v, g, beta, ref_pool, plan)
+    # measured (ulps of max|reference|, avx2): MEASURE_A
+    _close(got, want, ulps=24)
+    # measured (ulps of max|reference|, avx2): MEASURE_B
+    _close(pool, ref_pool, ulps=8)
+    assert torch.equal(pages[:, :33], before[:, :33])
+    stored = set(plan.state_out[plan.state_out_at >= 0].tolist())
+    untouched = [s for s in range(7) if s not in stored]
+    assert torch.equal(pool[untouched], before[:, 33:].view(7, H, dk, dv)[untouched])
 
 
-def test_prefill_long_strong_decay_matches_recurrence():
+def test_kda_varlen_speculative_stores_the_state_after_each_draft():
+    """Against the naive recurrence: request r resumes from the state in its last accepted draft's slot and the
+    state after its token i lands in slot column i."""
+    H, dk, dv = 2, 24, 40
+    plan = _spec_plan()
+    q, k, v, g, beta = _kda_inputs(plan.num_tokens, H, dk, dv, seed=7)
+    _, pool = _padded_pool(7, (H, dk, dv), 5, seed=8)
+    want_pool, want = pool.clone(), torch.empty(plan.num_tokens, H, dv)
+    for first, length, slot_in, outs in plan.rows():
+        state = want_pool[slot_in].clone()
+        for i, (after, slot) in enumerate(outs):
+            t = first + i
+            want[t : t + 1], state = kda.kda_recurrent(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1],
+                                                       beta[t : t + 1], state)
+            assert after == i
+            want_pool[slot] = state
+    got = kda.kda_varlen.implementation("compiled")(q, k, v, g, beta, pool, plan)
+    # measured (ulps of max|reference|, avx2): MEASURE_C
+    _close(got, want, ulps=24)
+    # measured (ulps of max|reference|, avx2): MEASURE_D
+    _close(pool, want_pool, ulps=8)
+
+
+def test_kda_varlen_long_strong_decay_matches_recurrence():
     """Unbounded gate with large rates: decays underflow to 0 without NaN, like the token-by-token oracle."""
     H, dk, dv, T = 2, 16, 16, 300
     q, k, v, g, beta = _kda_inputs(T, H, dk, dv, seed=9, lower_bound=None, a_scale=8.0)
     g = g * 20.0  # per-step log decays down to -hundreds
-    o, state = ops.kda_prefill(q, k, v, g, beta, None)
+    plan = StateSlots.single_slot(torch.tensor([0, T]), torch.tensor([0]), torch.tensor([False]), T, T)
+    pool = torch.zeros(1, H, dk, dv)
+    o = kda.kda_varlen.implementation("compiled")(q, k, v, g, beta, pool, plan)
     want_o, want_state = kda.kda_recurrent(q, k, v, g, beta)
     assert torch.isfinite(o).all()
-    # measured (ulps of max|reference|, avx2 / portable): 1.2 / 1.2
+    # measured (ulps of max|reference|, avx2): MEASURE_E
     _close(o, want_o, ulps=6)
-    # measured (ulps of max|reference|, avx2 / portable): 0.30 / 0.30
-    _close(state, want_state, ulps=2)
-
-
-def test_prefill_then_decode_continues_the_sequence():
-    H, dk, dv, T = 2, 32, 48, 20
-    q, k, v, g, beta = _kda_inputs(T, H, dk, dv, seed=11)
-    want_o, _ = kda.kda_recurrent(q, k, v, g, beta)
-    o, state = ops.kda_prefill(q[:-1], k[:-1], v[:-1], g[:-1], beta[:-1], None)
-    state = state.unsqueeze(0)
-    last = ops.kda_decode_step(q[-1:], k[-1:], v[-1:], g[-1:], beta[-1:], state, None)
-    # measured (ulps of max|reference|, avx2 / portable): 1.6 / 2.1
-    _close(torch.cat([o, last]), want_o, ulps=8)
+    # measured (ulps of max|reference|, avx2): MEASURE_F
+    _close(pool[0], want_state, ulps=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_update_matches_torch(dtype):
-    B, C, K = 3, 37, 4
+@pytest.mark.parametrize("which", ["mixed", "speculative"])
+def test_conv_varlen_matches_torch(dtype, which):
+    plan = _mixed_plan() if which == "mixed" else _spec_plan()
+    C, K = 37, 4
     gen = _gen(12)
-    x = torch.randn(B, C, generator=gen).to(dtype)
+    x = torch.randn(plan.num_tokens, C, generator=gen).to(dtype)
     w = torch.randn(C, K, generator=gen)
-    s0 = torch.randn(B, C, K - 1, generator=gen).to(dtype)
-    want_state = s0.clone()
-    want = kda.causal_conv1d_update_torch(x, w, want_state)
-    state = s0.clone()
-    got = ops.causal_conv1d_update(x, w, state, None)
-    # measured (ulps of max|reference|, avx2 / portable): 0.12 / 0.03; bfloat16 0 / 0
-    _close(got, want, ulps=1)
-    assert torch.equal(state, want_state)  # a shift: exact
-
-
-def test_conv_update_on_pool_slots():
-    B, C, K, N = 3, 20, 4, 6
-    gen = _gen(13)
-    x, w = torch.randn(B, C, generator=gen), torch.randn(C, K, generator=gen)
-    pages = torch.randn(N, C * (K - 1) + 5, generator=gen)
-    pool = pages[:, 5:].view(N, C, K - 1)
+    pages = torch.randn(7, C * (K - 1) + 5, generator=gen).to(dtype)
+    pool = pages[:, 5:].view(7, C, K - 1)
     ref_pool = pool.clone()
-    slots = torch.tensor([4, -1, 1])
-    got = kda.causal_conv1d_update_slots(x, w, pool, slots)
-    want = kda.causal_conv1d_update_slots_torch(x, w, ref_pool, slots)
-    # measured (ulps of max|reference|, avx2 / portable): 0.05 / 0.03
+    got = kda.causal_conv1d_varlen.implementation("compiled")(x, w, pool, plan)
+    want = kda.causal_conv1d_varlen.implementation("torch")(x, w, ref_pool, plan)
+    # measured (ulps of max|reference|, avx2): MEASURE_G
     _close(got, want, ulps=1)
-    assert torch.equal(pool, ref_pool)
+    assert torch.equal(pool, ref_pool)  # windows are copies of inputs: exact
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -297,6 +294,14 @@ def _batch_meta(q_lens):
     return starts
 
 
+def _latent_plan(q_lens, seq_lens, table):
+    cu = torch.tensor(_batch_meta(q_lens))
+    seq = torch.tensor(seq_lens)
+    T = int(cu[-1])
+    return LatentCachePlan(cu, seq, seq - (cu[1:] - cu[:-1]), table, torch.arange(T), len(q_lens), T,
+                           max(q_lens), max(seq_lens))
+
+
 @pytest.mark.parametrize("integer_valued", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_select_batch_identical_to_torch(integer_valued, dtype):
@@ -324,9 +329,9 @@ def test_select_batch_identical_to_torch(integer_valued, dtype):
         q, w, ape = torch.randn(T, nI, dI, generator=gen), torch.randn(T, nI, generator=gen), torch.randn(kp, dI)
     q = q.to(dtype)
     starts = _batch_meta(Q_LENS)
-    args = (q, w, pages, table, starts, SEQ_LENS, ape, lead, topk, kp)
-    want = ix.select_batch_torch(*args)
-    got = ix.select_batch(*args)
+    args = (q, w, pages, _latent_plan(Q_LENS, SEQ_LENS, table), ape, lead, topk, kp)
+    want = ix.select_batch.implementation("torch")(*args)
+    got = ix.select_batch.implementation("compiled")(*args)
     assert torch.equal(got, want)
     # and sparse selection really happened on the long requests
     assert (got[starts[5]] >= 0).sum() < SEQ_LENS[5]
@@ -355,9 +360,9 @@ def test_sparse_attention_paged_matches_torch(dtype, H, L):
             idx[t, : len(picks)] = picks
     idx[starts[6] + 3] = -1  # a query with nothing selected gets zeros
     scale = 0.0625
-    args = (q, pages, table, starts, SEQ_LENS, idx, scale, L)
-    got = mla.sparse_latent_attention_paged(*args)
-    want = mla.sparse_latent_attention_paged_torch(*args)
+    args = (q, pages, _latent_plan(Q_LENS, SEQ_LENS, table), idx, scale, L)
+    got = mla.sparse_latent_attention_paged.implementation("compiled")(*args)
+    want = mla.sparse_latent_attention_paged.implementation("torch")(*args)
     assert got.dtype == dtype
     # measured (ulps of max|reference|, avx2 / portable): 4.3 / 4.8; bfloat16 at most 0.5
     _close(got, want, ulps=20)

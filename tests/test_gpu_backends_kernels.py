@@ -82,6 +82,7 @@ from vllm_glm53.backends.cpu import sparse_mla as mla_cpu  # noqa: E402
 from vllm_glm53.backends.cuda import indexer as ix_gpu  # noqa: E402
 from vllm_glm53.backends.cuda import kda as kda_gpu  # noqa: E402
 from vllm_glm53.backends.cuda import sparse_mla as mla_gpu  # noqa: E402
+from vllm_glm53.backends.plans import LatentCachePlan, StateSlots  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # The interpreter computes in float32 (numpy): measured largest error 1.5e-6 of the reference's magnitude (the
@@ -149,17 +150,6 @@ def test_kda_conv_prefill(case):
     close(s, s_ref, "conv state")
 
 
-def test_kda_conv_decode_in_place():
-    g = gen(2)
-    x, w, state = randn(3, C, g=g), randn(C, KW, g=g, scale=0.5), randn(3, C, KW - 1, g=g)
-    want_state = state.clone()
-    y_ref = kda_cpu.causal_conv1d_update(x, w, want_state)
-    got_state = state.to(DEVICE)
-    y = kda_gpu.causal_conv1d_update(*on(x, w), got_state)
-    close(y, y_ref, "conv decode output")
-    close(got_state, want_state, "conv state after decode")
-
-
 @pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["bounded", "unbounded"])
 def test_kda_gate(lower_bound):
     g = gen(3)
@@ -209,145 +199,74 @@ def test_kda_recurrent():
     close(s, s_ref, "recurrent final state")
 
 
-def test_kda_prefill_then_decode_steps():
-    """A chunked prefill from an initial state, then decode steps continuing from its final state."""
-    q, k, v, decay, beta = delta_inputs(40, seed=9)
-    s0 = randn(H, D, D, g=gen(10))
-    _, s_ref = kda_cpu.kda_chunked(q[:37], k[:37], v[:37], decay[:37], beta[:37], s0)
-    _, s = kda_gpu.kda_chunked(*on(q[:37], k[:37], v[:37], decay[:37], beta[:37], s0))
-    s_ref, s = s_ref.unsqueeze(0), s.unsqueeze(0).contiguous()
-    for t in range(37, 40):
-        sl = slice(t, t + 1)
-        o_ref = kda_cpu.kda_decode_step(q[sl], k[sl], v[sl], decay[sl], beta[sl], s_ref)
-        o = kda_gpu.kda_decode_step(*on(q[sl], k[sl], v[sl], decay[sl], beta[sl]), s)
-        close(o, o_ref, f"decode output at {t}")
-        close(s, s_ref, f"state after decode step {t}")
+def step_plan(kind: str) -> StateSlots:
+    """``decode``: four single tokens, one a fresh one-token prompt, then a padding row; ``speculative``: two
+    requests verifying two drafts each, resuming from draft column 1 and 0; ``mixed``: a decode, a prefill chunk
+    continuing a state, a fresh prompt longer than a chunk, a short fresh prompt."""
+    if kind == "decode":
+        return StateSlots.single_slot(torch.tensor([0, 1, 2, 3, 4, 4]), torch.tensor([4, 1, 5, 0, 2]),
+                                      torch.tensor([True, True, False, True, True]), 4, 1)
+    if kind == "speculative":
+        return StateSlots.speculative(torch.tensor([0, 3, 6]), torch.tensor([[6, 2, 3], [0, 4, 5]]),
+                                      torch.tensor([2, 1]), 6, 3)
+    return StateSlots.single_slot(torch.tensor([0, 1, 11, 81, 84]), torch.tensor([3, 0, 5, 1]),
+                                  torch.tensor([True, True, False, False]), 84, 70)
 
 
-def test_kda_conv_decode_slots_in_strided_pool():
-    """The decode conv on a pool view with padded strides, at unordered slots, one of them padding (-1)."""
+# The implementation each kind of step should take on the GPU (the others decline it).
+FAST_KDA = {"decode": "fla_recurrent", "speculative": "fla_speculative", "mixed": "fla"}
+FAST_CONV = {"decode": "triton", "speculative": "fla", "mixed": "fla"}
+
+
+@pytest.mark.parametrize("kind", ["decode", "speculative", "mixed"])
+def test_kda_conv_varlen_in_strided_pool(kind):
+    """The batch conv on a pool view with padded strides: outputs and every slot agree with the CPU reference;
+    the step takes the implementation meant for it."""
+    plan = step_plan(kind)
     g = gen(16)
-    x, w = randn(4, C, g=g), randn(C, KW, g=g, scale=0.5)
-    buffer = randn(6, C + 5, KW, g=g)
+    x, w = randn(plan.num_tokens, C, g=g), randn(C, KW, g=g, scale=0.5)
+    buffer = randn(7, C + 5, KW, g=g)
 
-    def pool(buf):  # [6, C, K-1] inside a larger buffer
+    def pool(buf):  # [7, C, K-1] inside a larger buffer
         return buf[:, 2 : 2 + C, 1:]
 
-    slots = torch.tensor([4, -1, 0, 5])
     want = pool(buffer.clone())
-    y_ref = kda_cpu.causal_conv1d_update_slots(x, w, want, slots)
+    y_ref = kda_cpu.causal_conv1d_varlen.implementation("torch")(x, w, want, plan)
     got = pool(buffer.to(DEVICE))
-    y = kda_gpu.causal_conv1d_update_slots(*on(x, w), got, slots.to(DEVICE))
-    close(y, y_ref, "conv decode output")
+    y = kda_gpu.causal_conv1d_varlen.implementation(FAST_CONV[kind])(*on(x, w), got, plan.to(DEVICE))
+    close(y, y_ref, "conv output")
     close(got, want, "conv pool")
-    assert y[1].abs().max().item() == 0.0
+    got = pool(buffer.to(DEVICE))
+    close(kda_gpu.causal_conv1d_varlen(*on(x, w), got, plan.to(DEVICE)), y_ref, "conv output (dispatched)")
 
 
+@pytest.mark.parametrize("kind", ["decode", "speculative", "mixed"])
 @pytest.mark.parametrize("layout", ["padded_slots", "head_strided"])
-def test_kda_decode_step_slots_in_pool(layout):
-    """Decode straight on a state pool at unordered slots, one of them padding (-1): the other slots stay
-    untouched. ``padded_slots``: slot stride larger than a state (as vLLM's hybrid pages make it);
-    ``head_strided``: states not contiguous inside a slot (gathered and written back)."""
-    q, k, v, decay, beta = delta_inputs(4, seed=11)
+def test_kda_varlen_on_pool(kind, layout):
+    """The batch delta rule on a state pool: outputs and every slot agree with the CPU reference, untouched
+    slots stay as they were. ``padded_slots``: slot stride larger than a state (as vLLM's hybrid pages make
+    it), run by the implementation meant for the step; ``head_strided``: states not contiguous inside a slot,
+    which fla's in-place modes decline (the per-request form takes it)."""
+    plan = step_plan(kind)
+    q, k, v, decay, beta = delta_inputs(plan.num_tokens, seed=11)
     if layout == "padded_slots":
-        buffer = randn(6, H + 1, D, D, g=gen(12))
+        buffer = randn(7, H + 1, D, D, g=gen(12))
 
         def pool(buf):
             return buf[:, :H]
     else:
-        buffer = randn(6, D, H, D, g=gen(12))
+        buffer = randn(7, D, H, D, g=gen(12))
 
         def pool(buf):
             return buf.transpose(1, 2)
 
-    slots = torch.tensor([4, 1, -1, 5])
     want = pool(buffer.clone())
-    o_ref = kda_cpu.kda_decode_step_slots(q, k, v, decay, beta, want, slots)
+    o_ref = kda_cpu.kda_varlen.implementation("torch")(q, k, v, decay, beta, want, plan)
     got = pool(buffer.to(DEVICE))
-    o = kda_gpu.kda_decode_step_slots(*on(q, k, v, decay, beta), got, slots.to(DEVICE))
-    close(o, o_ref, "pool decode output")
+    op = kda_gpu.kda_varlen.implementation(FAST_KDA[kind]) if layout == "padded_slots" else kda_gpu.kda_varlen
+    o = op(*on(q, k, v, decay, beta), got, plan.to(DEVICE))
+    close(o, o_ref, "output")
     close(got, want, "state pool")
-    assert o[2].abs().max().item() == 0.0
-
-
-def test_kda_speculative_decode_slots():
-    """Speculative decoding: request r has 1 + drafts tokens, one slot per draft position, and resumes from the
-    slot of its last accepted token; the state after each of its tokens lands in that token's slot."""
-    q, k, v, decay, beta = delta_inputs(5, seed=13)
-    pool = randn(8, H, D, D, g=gen(14))
-    slots = torch.tensor([[6, 2, 3], [0, 7, 5]])  # [requests, 1 + num_spec]
-    qsl = torch.tensor([0, 3, 5])  # request 0: 3 tokens, request 1: 2 tokens
-    accepted = torch.tensor([2, 1])
-    want = pool.clone()
-    o_ref = torch.empty(5, H, D)
-    for r in range(2):
-        state = want[slots[r, accepted[r] - 1]].clone().unsqueeze(0)
-        for i, t in enumerate(range(int(qsl[r]), int(qsl[r + 1]))):
-            sl = slice(t, t + 1)
-            o_ref[t] = kda_cpu.kda_decode_step(q[sl], k[sl], v[sl], decay[sl], beta[sl], state)[0]
-            want[slots[r, i]] = state[0]
-    got = pool.to(DEVICE)
-    o = kda_gpu.kda_spec_decode_slots(*on(q, k, v, decay, beta), got, *on(slots, accepted, qsl))
-    close(o, o_ref, "speculative decode output")
-    close(got, want, "state pool after speculative decode")
-
-
-def layer_recurrence(ops, qkv, conv_w, decay, beta, conv_pool, state_pool, slots, query_start_loc, num_decodes,
-                     has_initial_state, slot_api):
-    """The batch flow of ``Glm5NextKDA._recurrence`` written with op-family functions only: decodes first (on
-    the pools through slot indices, or on gathered copies scattered back), then each prefill from its slot's
-    states (or fresh), writing the final states to its slot."""
-    T = qkv.shape[0]
-    out = torch.empty(T, H, D, dtype=torch.float32, device=qkv.device)
-
-    def split(y):
-        q, k, v = y.view(y.shape[0], 3, H, D).unbind(1)
-        q, k = ops.l2norm_qk(q, k, D)
-        return q, k, v.to(torch.float32)
-
-    nd = num_decodes
-    if nd and slot_api:
-        y = ops.causal_conv1d_update_slots(qkv[:nd], conv_w, conv_pool, slots[:nd])
-        out[:nd] = ops.kda_decode_step_slots(*split(y), decay[:nd], beta[:nd], state_pool, slots[:nd])
-    elif nd:
-        slot = slots[:nd]
-        conv = conv_pool[slot]
-        y = ops.causal_conv1d_update(qkv[:nd], conv_w, conv)
-        conv_pool[slot] = conv
-        state = state_pool[slot]
-        out[:nd] = ops.kda_decode_step(*split(y), decay[:nd], beta[:nd], state)
-        state_pool[slot] = state
-    for r in range(nd, len(query_start_loc) - 1):
-        lo, hi, s = query_start_loc[r], query_start_loc[r + 1], int(slots[r])
-        conv0, state0 = (conv_pool[s], state_pool[s]) if has_initial_state[r] else (None, None)
-        y, conv1 = ops.causal_conv1d(qkv[lo:hi], conv_w, conv0)
-        out[lo:hi], state1 = ops.kda_chunked(*split(y), decay[lo:hi], beta[lo:hi], initial_state=state0)
-        conv_pool[s], state_pool[s] = conv1, state1
-    return out
-
-
-@pytest.mark.parametrize("slot_api", [False, True], ids=["gathered", "slots"])
-def test_kda_mixed_prefill_decode_batch(slot_api):
-    """Two decodes and three prefills (a continuation chunk, a fresh prompt longer than a chunk, a short one)
-    through conv and state pools: outputs and every pool slot agree with the CPU ops."""
-    g = gen(15)
-    qsl = [0, 1, 2, 12, 82, 85]  # decode, decode, prefill 10 (has state), prefill 70 (fresh), prefill 3 (fresh)
-    T = qsl[-1]
-    qkv, conv_w = randn(T, C, g=g), randn(C, KW, g=g, scale=0.5)
-    decay = kda_cpu.kda_gate(randn(T, H, D, g=g, scale=3.0), randn(H, g=g), -5.0)
-    beta = torch.rand(T, H, generator=g)
-    conv_pool, state_pool = randn(7, C, KW - 1, g=g), randn(7, H, D, D, g=g, scale=0.3)
-    slots = torch.tensor([3, 0, 5, 1, 6])
-    has_init = [True, True, True, False, False]
-    want_conv, want_state = conv_pool.clone(), state_pool.clone()
-    o_ref = layer_recurrence(kda_cpu, qkv, conv_w, decay, beta, want_conv, want_state, slots, qsl, 2, has_init,
-                             slot_api)
-    got_conv, got_state = conv_pool.to(DEVICE), state_pool.to(DEVICE)
-    o = layer_recurrence(kda_gpu, *on(qkv, conv_w, decay, beta), got_conv, got_state, slots.to(DEVICE), qsl, 2,
-                         has_init, slot_api)
-    close(o, o_ref, "mixed batch output")
-    close(got_conv, want_conv, "conv pool")
-    close(got_state, want_state, "state pool")
 
 
 # ==============================================================================================================
@@ -467,6 +386,19 @@ def paged_cache(lengths: list[int], row_width: int, block_size: int, seed: int):
     return pages, table, seqs
 
 
+def latent_plan(q_lens, lengths, table) -> LatentCachePlan:
+    cu = torch.tensor([0] + q_lens).cumsum(0)
+    seq = torch.tensor(lengths)
+    T = int(cu[-1])
+    return LatentCachePlan(cu, seq, seq - (cu[1:] - cu[:-1]), table, torch.arange(T), len(q_lens), T,
+                           max(q_lens), max(lengths))
+
+
+def on_plan(plan: LatentCachePlan) -> LatentCachePlan:
+    fields = {f: getattr(plan, f) for f in plan.__dataclass_fields__}
+    return LatentCachePlan(**{f: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for f, v in fields.items()})
+
+
 def test_indexer_select_batch_paged():
     """The batch form over the paged cache: a prefill chunk, and decodes below and far above index_topk."""
     L, dI, topk, bs = 32, 16, 16, 8
@@ -479,8 +411,9 @@ def test_indexer_select_batch_paged():
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
-    want = ix_cpu.select_batch(q, w, pages, table, qsl, lengths, ape, L, topk, KP)
-    got = ix_gpu.select_batch(*on(q, w, pages, table), qsl, lengths, ape.to(DEVICE), L, topk, KP)
+    plan = latent_plan(q_lens, lengths, table)
+    want = ix_cpu.select_batch(q, w, pages, plan, ape, L, topk, KP)
+    got = ix_gpu.select_batch(*on(q, w, pages), on_plan(plan), ape.to(DEVICE), L, topk, KP)
     for r, (lo, hi) in enumerate(zip(qsl[:-1], qsl[1:])):
         positions = torch.arange(lengths[r] - (hi - lo), lengths[r])
         _, scores = selection(ix_cpu, seqs[r], ape, q[lo:hi], w[lo:hi], positions, topk, L, dI)
@@ -585,6 +518,7 @@ def test_mla_paged_batch():
         blocks.append(selection(ix_cpu, seqs[r], ape, qi, wi, positions, 64, L, dI)[0])
     indices = torch.cat(blocks)
     q_lat = randn(qsl[-1], HM, L, g=g)
-    want = mla_cpu.sparse_latent_attention_paged(q_lat, pages, table, qsl, lengths, indices, 0.25, L)
-    got = mla_gpu.sparse_latent_attention_paged(*on(q_lat, pages, table), qsl, lengths, indices.to(DEVICE), 0.25, L)
+    plan = latent_plan(q_lens, lengths, table)
+    want = mla_cpu.sparse_latent_attention_paged(q_lat, pages, plan, indices, 0.25, L)
+    got = mla_gpu.sparse_latent_attention_paged(*on(q_lat, pages), on_plan(plan), indices.to(DEVICE), 0.25, L)
     close(got, want, "paged output")

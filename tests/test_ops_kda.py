@@ -9,6 +9,7 @@ from transformers.models.glm5_next import modeling_glm5_next as hf
 
 import hf_ref
 from vllm_glm53.backends.cpu import kda
+from vllm_glm53.backends.plans import StateSlots
 
 torch.set_num_threads(2)
 
@@ -68,8 +69,20 @@ def test_conv_matches_hf_and_naive():
     torch.testing.assert_close(state, x[-(K - 1) :].t())
 
 
-def test_conv_state_continuation_in_small_pieces():
-    """Prefill pieces shorter than K-1 and single-token updates reproduce the one-shot conv exactly."""
+def _impl(op, which):
+    """``which``: ``torch`` calls the reference form explicitly; ``dispatch`` calls the op as the layer does (the
+    compiled kernels where they are loaded)."""
+    return op.implementation("torch") if which == "torch" else op
+
+
+def _decode_plan(B):
+    """B sequences, one token each, sequence b in pool slot b, all with a state."""
+    return StateSlots.single_slot(torch.arange(B + 1), torch.arange(B), torch.ones(B, dtype=torch.bool), B, 1)
+
+
+@pytest.mark.parametrize("which", ["torch", "dispatch"])
+def test_conv_state_continuation_in_small_pieces(which):
+    """Prefill pieces shorter than K-1 and single-token batch steps reproduce the one-shot conv exactly."""
     gen = torch.Generator().manual_seed(2)
     T, C, K = 14, 5, 4
     x, w = torch.randn(T, C, generator=gen), torch.randn(C, K, generator=gen)
@@ -80,8 +93,9 @@ def test_conv_state_continuation_in_small_pieces():
         outs.append(y)
         t += n
     batch_state = torch.stack([state, torch.zeros_like(state)])  # second row: an unrelated fresh sequence
+    conv = _impl(kda.causal_conv1d_varlen, which)
     for _ in range(T - t):
-        y = kda.causal_conv1d_update(torch.stack([x[t], x[t]]), w, batch_state)
+        y = conv(torch.stack([x[t], x[t]]), w, batch_state, _decode_plan(2))
         outs.append(y[:1])
         t += 1
     torch.testing.assert_close(torch.cat(outs), y_full, rtol=0, atol=1e-6)
@@ -159,13 +173,14 @@ def test_chunked_long_sequence_is_stable(lower_bound, a_scale, A_log):
     torch.testing.assert_close(s, s_ref, rtol=0, atol=2e-6)
 
 
-def test_decode_step_in_place_matches_recurrent():
+@pytest.mark.parametrize("which", ["torch", "dispatch"])
+def test_decode_steps_on_the_pool_match_recurrent(which):
     seqs = [_random_kda(6, seed=s) for s in (11, 12)]
     state = torch.stack([s[5] for s in seqs]).clone()
     outs = []
     for t in range(6):
         step = [torch.stack([s[i][t] for s in seqs]) for i in range(5)]
-        outs.append(kda.kda_decode_step(*step, state))
+        outs.append(_impl(kda.kda_varlen, which)(*step, state, _decode_plan(2)))
     for b, (q, k, v, g, beta, s0) in enumerate(seqs):
         o_ref, s_ref = kda.kda_recurrent(q, k, v, g, beta, s0)
         torch.testing.assert_close(torch.stack([o[b] for o in outs]), o_ref, rtol=0, atol=1e-6)

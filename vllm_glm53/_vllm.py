@@ -198,6 +198,9 @@ _LAZY_NAMES = {
     "AttentionMetadataBuilder": ("vllm.v1.attention.backend", "vllm.v1.attention.backends.utils"),
     "CommonAttentionMetadata": ("vllm.v1.attention.backend", "vllm.v1.attention.backends.utils"),
     "GDNAttentionBackend": ("vllm.v1.attention.backends.gdn_attn",),
+    "GDNAttentionMetadata": ("vllm.v1.attention.backends.gdn_attn",),
+    "GDNAttentionMetadataBuilder": ("vllm.v1.attention.backends.gdn_attn",),
+    "direct_register_custom_op": ("vllm.utils.torch_utils",),
     "MambaAttentionBackendEnum": ("vllm.v1.attention.backends.registry",),
     "MLAAttentionSpec": ("vllm.v1.kv_cache_interface",),
 }

@@ -1,6 +1,7 @@
 """The attention backend vLLM sees for the sparse-MLA layers: it owns the per-token cache row layout and
-turns vLLM's per-batch metadata into what the layer needs (per-request token ranges, absolute positions,
-cache slots).
+turns vLLM's per-batch metadata into the step plan every sparse-MLA layer reads,
+:class:`~vllm_glm53.backends.plans.LatentCachePlan` (request token ranges, total and cached lengths, block
+table, cache slots), once per step.
 
 One cache row per token and layer holds ``[c_kv (kv_lora_rank) | indexer key (dI) | pooling gate (dI)]``:
 the normalised latent that attention reads, and the raw indexer inputs from which complete pools are
@@ -13,21 +14,10 @@ The layer gets this backend from ``get_attn_backend()`` directly, never through 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from vllm_glm53._vllm import AttentionBackend, AttentionCGSupport, AttentionImplBase, AttentionMetadataBuilder
-
-
-@dataclass
-class LatentCacheMetadata:
-    num_reqs: int
-    num_actual_tokens: int
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int64 on the CPU: token offsets of each request in the batch
-    seq_lens: torch.Tensor  # [num_reqs] int64 on the CPU: tokens of each request including this step's
-    block_table: torch.Tensor  # [num_reqs, max_blocks] cache block ids (kernel-block granularity)
-    slot_mapping: torch.Tensor  # [num_actual_tokens] cache slot of each new token
+from vllm_glm53.backends.plans import LatentCachePlan
 
 
 class LatentCacheMetadataBuilder(AttentionMetadataBuilder):
@@ -37,17 +27,22 @@ class LatentCacheMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> LatentCacheMetadata:
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> LatentCachePlan:
         m = common_attn_metadata
         n = m.num_reqs
-        return LatentCacheMetadata(
-            num_reqs=n,
-            num_actual_tokens=m.num_actual_tokens,
-            # Host copies: the ops walk requests on the CPU (the CPU kernels) or build launch grids from them.
-            query_start_loc=m.query_start_loc_cpu[: n + 1].to(torch.int64),
-            seq_lens=m.seq_lens[:n].to("cpu", torch.int64),
+        # int64 once here rather than a conversion per layer in the ops; all on the model's device.
+        cu = m.query_start_loc[: n + 1].to(torch.int64)
+        seq_lens = m.seq_lens[:n].to(torch.int64)
+        return LatentCachePlan(
+            cu_seqlens=cu,
+            seq_lens=seq_lens,
+            context_lens=seq_lens - (cu[1:] - cu[:-1]),
             block_table=m.block_table_tensor[:n],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+            num_reqs=n,
+            num_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
         )
 
 

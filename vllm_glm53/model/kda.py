@@ -1,9 +1,11 @@
 """KDA (Kimi Delta Attention) layer: GLM-5.3's linear-attention block (architecture.md §5).
 
 A vLLM hybrid-state layer: each running sequence owns one state slot holding the short-conv window and the
-float32 recurrent state. Slots and batch layout come from vLLM's GDN metadata (its builder is plain torch
-and already handles decode-first ordering, initial-state flags and speculative slots), the maths from the
-platform's KDA backend.
+float32 recurrent state (speculative decoding: one slot per draft position). The layer is its projections plus
+one registered custom op, ``torch.ops.vllm_glm53_layers.kda_recurrence``, that runs the short conv and the delta
+rule for the whole batch, decodes, prefills, prefill chunks and draft verification alike, on the state pools as
+the step plan says (:class:`~vllm_glm53.backends.plans.StateSlots`, built once per step by
+:mod:`vllm_glm53.backends.kda_state` over vLLM's GDN metadata). The maths is the platform's KDA ops.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from vllm_glm53._vllm import (
     get_tensor_model_parallel_world_size,
 )
 from vllm_glm53.backends import kda_ops
+from vllm_glm53.backends.kda_state import KDAStateBackend
+from vllm_glm53.backends.plans import StateSlots
 from vllm_glm53.config import TextArch
+from vllm_glm53.model.layer_ops import forward_layer, register_layer_op
 from vllm_glm53.quant.plan import layer_quant
 
 
@@ -92,9 +97,9 @@ class Glm5NextKDA(nn.Module, MambaBase):
         return _vllm.MambaAttentionBackendEnum.GDN_ATTN
 
     def get_attn_backend(self):
-        # GDN's metadata (slot per request, decode-first order, initial-state flags) is exactly what a
-        # delta-rule layer needs; the compute below is ours.
-        return _vllm.GDNAttentionBackend
+        # GDN's metadata (slot per request, decode-first order, initial-state flags, speculative slots) is what
+        # a delta-rule layer needs from the scheduler; this backend adds the step plan the ops read.
+        return KDAStateBackend
 
     # --- weights -----------------------------------------------------------------------------------------
 
@@ -122,95 +127,36 @@ class Glm5NextKDA(nn.Module, MambaBase):
         ga, _ = self.g_a_proj(x)
         gate, _ = self.g_b_proj(ga)
 
-        core = self._recurrence(qkv, g, beta)  # [T, H, d] float32
+        core = _kda_recurrence(qkv, g, beta, self.prefix)  # [T, H, d] float32
         o = kda_ops.gated_rmsnorm(core, gate.view(T, H, d), self.o_norm.weight, self.arch.rms_norm_eps,
                                   out_dtype=x.dtype)
         out, _ = self.o_proj(o.reshape(T, H * d))
         return out
 
-    def _recurrence(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-        """Short conv + delta rule for the whole batch, reading and writing the per-sequence state slots."""
+    def recurrence(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """Short conv + delta rule for the whole batch, reading and writing the state slots the step plan names
+        (profiling and dummy runs carry no plan: one fresh sequence whose state is not kept)."""
         meta = _vllm.layer_attn_metadata(self.prefix)
         T = qkv.shape[0]
-        out = torch.empty(T, self.heads, self.head_dim, dtype=torch.float32, device=qkv.device)
-        if meta is None:  # profiling / dummy run: one fresh sequence, nothing kept
-            out[:] = self._prefill(qkv, g, beta, None, None)
-            return out
-        if meta.num_spec_decodes:
-            # With drafts in the batch, vLLM lists the draft-verifying tokens and the others separately.
-            spec = meta.spec_token_indx.long()
-            out[spec] = self._verify_drafts(qkv[spec], g[spec], beta[spec], meta)
-            if meta.num_prefills or meta.num_decodes:
-                rest = meta.non_spec_token_indx.long()
-                out[rest] = self._plain(qkv[rest], g[rest], beta[rest], meta)
+        if meta is None:
+            plan = StateSlots.fresh(T, qkv.device)
+            conv_pool = qkv.new_empty(0, *kda_state_shapes(self.arch, self.tp_size)[0])
+            state_pool = torch.empty(0, self.heads, self.head_dim, self.head_dim, device=qkv.device)
         else:
-            n = meta.num_actual_tokens
-            out[:n] = self._plain(qkv[:n], g[:n], beta[:n], meta)
-        return out
-
-    def _plain(self, qkv, g, beta, meta) -> torch.Tensor:
-        """Single-token decodes (first in the batch) and prefills, one state slot per sequence."""
-        out = torch.empty(qkv.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=qkv.device)
-        conv_pool, state_pool = self.kv_cache
-        slots = meta.non_spec_state_indices_tensor
-        qsl = meta.non_spec_query_start_loc.tolist()
-        nd = meta.num_decodes
-        if nd:  # updated in place in the pools: each state is read and written once
-            slot = slots[:nd]
-            y = kda_ops.causal_conv1d_update_slots(qkv[:nd], self.conv_weight, conv_pool, slot)
-            q, k, v = self._split(y)
-            out[:nd] = kda_ops.kda_decode_step_slots(q, k, v, g[:nd], beta[:nd], state_pool, slot)
-        has_init = meta.has_initial_state
-        for r in range(nd, nd + meta.num_prefills):
-            lo, hi = qsl[r], qsl[r + 1]
-            slot = int(slots[r])
-            if has_init is not None and bool(has_init[r]):
-                conv0, state0 = conv_pool[slot], state_pool[slot]
-            else:
-                conv0 = state0 = None
-            out[lo:hi] = self._prefill(qkv[lo:hi], g[lo:hi], beta[lo:hi], conv0, state0, slot)
-        return out
-
-    def _verify_drafts(self, qkv, g, beta, meta) -> torch.Tensor:
-        """Tokens that verify speculative drafts. Each such sequence owns ``1 + num_speculative_tokens`` state
-        slots: the step starts from the slot of its last accepted token (``num_accepted_tokens - 1``) and the
-        state after its i-th token goes to slot i, so whatever the sampler accepts, the next step finds the
-        state right after the last accepted token without recomputing anything."""
-        conv_pool, state_pool = self.kv_cache
-        n = meta.num_spec_decodes
-        slots = meta.spec_state_indices_tensor[:n].long()
-        qsl = meta.spec_query_start_loc[: n + 1].tolist()
-        lens = [qsl[j + 1] - qsl[j] for j in range(n)]
-        accepted = meta.num_accepted_tokens[:n].long()
-        start = slots[torch.arange(n), accepted - 1]
-        conv, state = conv_pool[start], state_pool[start]  # working copies, one per sequence
-        out = torch.empty(qkv.shape[0], self.heads, self.head_dim, dtype=torch.float32, device=qkv.device)
-        for i in range(max(lens)):
-            rows = torch.tensor([j for j in range(n) if lens[j] > i], dtype=torch.long)
-            tok = torch.tensor([qsl[j] + i for j in rows.tolist()], dtype=torch.long)
-            c, s = conv[rows], state[rows]
-            y = kda_ops.causal_conv1d_update(qkv[tok], self.conv_weight, c)
-            q, k, v = self._split(y)
-            out[tok] = kda_ops.kda_decode_step(q, k, v, g[tok], beta[tok], s)
-            conv[rows], state[rows] = c, s
-            dst = slots[rows, i]
-            conv_pool[dst], state_pool[dst] = c, s
-        return out
-
-    def _prefill(self, qkv, g, beta, conv0, state0, slot: int | None = None) -> torch.Tensor:
-        y, conv1 = kda_ops.causal_conv1d(qkv, self.conv_weight, conv0)
-        q, k, v = self._split(y)
-        o, state1 = kda_ops.kda_chunked(q, k, v, g, beta, initial_state=state0)
-        if slot is not None:
+            plan = meta.plan
             conv_pool, state_pool = self.kv_cache
-            conv_pool[slot] = conv1
-            state_pool[slot] = state1
-        return o
-
-    def _split(self, y: torch.Tensor):
-        """Conv output [N, 3*H*d] -> L2-normalised, scaled q and k, and v, each [N, H, d] float32."""
-        N = y.shape[0]
-        q, k, v = y.view(N, 3, self.heads, self.head_dim).unbind(1)
+        y = kda_ops.causal_conv1d_varlen(qkv, self.conv_weight, conv_pool, plan)
+        q, k, v = y.view(T, 3, self.heads, self.head_dim).unbind(1)
         q, k = kda_ops.l2norm_qk(q, k, self.head_dim)
-        return q, k, v.to(torch.float32)
+        return kda_ops.kda_varlen(q, k, v.to(torch.float32), g, beta, state_pool, plan)
 
+
+def _kda_recurrence_impl(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return forward_layer(layer_name).recurrence(qkv, g, beta)
+
+
+def _kda_recurrence_fake(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return torch.empty(qkv.shape[0], g.shape[1], g.shape[2], dtype=torch.float32, device=qkv.device)
+
+
+_kda_recurrence = register_layer_op("kda_recurrence", _kda_recurrence_impl, _kda_recurrence_fake)

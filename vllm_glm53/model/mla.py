@@ -5,6 +5,11 @@ are mapped into latent space by ``W_UK``, attention runs over the latents of the
 selected, and ``W_UV`` maps the result back. Heads are split over tensor-parallel ranks; the latent and the
 indexer (one key head, a few query heads) are replicated.
 
+The layer is its projections plus one registered custom op, ``torch.ops.vllm_glm53_layers.sparse_mla``, that
+stores the step's cache rows and runs the indexer selection and the sparse attention for the whole batch over the
+paged cache, as the step plan says (:class:`~vllm_glm53.backends.plans.LatentCachePlan`, built once per step by
+:mod:`vllm_glm53.backends.latent_cache`).
+
 ``shared`` layers own no indexer and reuse the selection of the most recent ``full`` layer (transformers
 only allows that layer to sit immediately before; reusing the latest full selection is the same there).
 """
@@ -23,8 +28,11 @@ from vllm_glm53._vllm import (
     get_tensor_model_parallel_world_size,
 )
 from vllm_glm53.backends import indexer_ops, mla_ops
+from vllm_glm53.backends.cpu.indexer import index_width
 from vllm_glm53.backends.latent_cache import LatentCacheBackend, cache_rows, write_rows
+from vllm_glm53.backends.plans import LatentCachePlan
 from vllm_glm53.config import TextArch
+from vllm_glm53.model.layer_ops import forward_layer, register_layer_op
 from vllm_glm53.model.norm import RMSNorm
 from vllm_glm53.quant.plan import layer_quant
 
@@ -145,32 +153,59 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
         else:
             new_rows = torch.nn.functional.pad(new_rows, (0, 2 * a.index_head_dim))
 
-        meta = _vllm.layer_attn_metadata(self.prefix)
-        if meta is None:  # profiling / dummy run: the batch is one fresh sequence, its rows one page
-            rows = new_rows.unsqueeze(0)
-            block_table = torch.zeros(1, 1, dtype=torch.int32, device=x.device)
-            query_start_loc, seq_lens = torch.tensor([0, T]), torch.tensor([T])
-            n = T
-        else:
-            rows = cache_rows(self.kv_cache)
-            write_rows(rows, meta.slot_mapping, new_rows)
-            block_table, query_start_loc, seq_lens = meta.block_table, meta.query_start_loc, meta.seq_lens
-            n = meta.num_actual_tokens
-
-        # Both ops read the paged cache in place: the indexer the keys of each request's complete pools, the
-        # attention only the selected latent rows (so its cost stops growing once the context exceeds
-        # index_topk).
-        if self.indexer is not None:
-            selection = indexer_ops.select_batch(
-                q_idx[:n], w_idx[:n], rows, block_table, query_start_loc, seq_lens,
-                self.indexer.index_kpool_compress_ape, a.kv_lora_rank, a.index_topk, a.index_kpool)
-        elif shared_selection is None:
-            raise RuntimeError(f"{self.prefix}: shared indexer layer got no selection to reuse")
-        else:
-            selection = shared_selection
-        o_lat = torch.zeros_like(q_lat)
-        o_lat[:n] = mla_ops.sparse_latent_attention_paged(q_lat[:n], rows, block_table, query_start_loc, seq_lens,
-                                                          selection, self.scale, a.kv_lora_rank)
+        if self.indexer is None:
+            if shared_selection is None:
+                raise RuntimeError(f"{self.prefix}: shared indexer layer got no selection to reuse")
+            q_idx = w_idx = None
+        o_lat, selection = _sparse_mla(q_lat, new_rows, q_idx, w_idx, shared_selection, self.prefix)
         o = mla_ops.apply_uv(o_lat, self.w_uv)
         out, _ = self.o_proj(o.reshape(T, -1))
         return out, selection
+
+    def attend(self, q_lat: torch.Tensor, new_rows: torch.Tensor, q_idx: torch.Tensor | None,
+               w_idx: torch.Tensor | None, shared_selection: torch.Tensor | None):
+        """Store the new cache rows, select (or reuse the shared selection) and attend, for the whole batch as
+        the step plan says. Both ops read the paged cache in place: the indexer the keys of each request's
+        complete pools, the attention only the selected latent rows (so its cost stops growing once the
+        context exceeds index_topk). Profiling and dummy runs carry no plan: the batch is one fresh sequence,
+        its rows one page."""
+        a = self.arch
+        meta = _vllm.layer_attn_metadata(self.prefix)
+        if meta is None:
+            plan = LatentCachePlan.fresh(q_lat.shape[0], q_lat.device)
+            rows = new_rows.unsqueeze(0)
+        else:
+            plan = meta
+            rows = cache_rows(self.kv_cache)
+            write_rows(rows, plan.slot_mapping, new_rows)
+        n = plan.num_tokens
+        if self.indexer is not None:
+            selection = indexer_ops.select_batch(q_idx[:n], w_idx[:n], rows, plan,
+                                                 self.indexer.index_kpool_compress_ape, a.kv_lora_rank, a.index_topk,
+                                                 a.index_kpool)
+        else:
+            selection = shared_selection
+        o_lat = torch.zeros_like(q_lat)
+        o_lat[:n] = mla_ops.sparse_latent_attention_paged(q_lat[:n], rows, plan, selection, self.scale,
+                                                          a.kv_lora_rank)
+        return o_lat, selection
+
+
+def _sparse_mla_impl(q_lat: torch.Tensor, new_rows: torch.Tensor, q_idx: torch.Tensor | None,
+                     w_idx: torch.Tensor | None, shared_selection: torch.Tensor | None,
+                     layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    o_lat, selection = forward_layer(layer_name).attend(q_lat, new_rows, q_idx, w_idx, shared_selection)
+    # A custom op may not return one of its inputs: a shared layer passes a copy of the selection on.
+    return o_lat, selection.clone() if selection is shared_selection else selection
+
+
+def _sparse_mla_fake(q_lat: torch.Tensor, new_rows: torch.Tensor, q_idx: torch.Tensor | None,
+                     w_idx: torch.Tensor | None, shared_selection: torch.Tensor | None,
+                     layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    arch = forward_layer(layer_name).arch
+    width = index_width(arch.index_topk, arch.index_kpool)
+    return torch.empty_like(q_lat), torch.empty(q_lat.shape[0], width, dtype=torch.int64, device=q_lat.device)
+
+
+_sparse_mla = register_layer_op("sparse_mla", _sparse_mla_impl, _sparse_mla_fake)
+

@@ -7,20 +7,21 @@ Index rows produced here are sorted ascending — selected pools in pool order, 
 tokens, then the tail — and padded on the right with -1. transformers emits the same sets in top-k order;
 every consumer in this package treats a row as a set.
 
-Compression, scoring and selection run as compiled kernels (csrc/indexer.cpp) when those are built
-(:mod:`vllm_glm53.backends.cpu.kernels`), else as the plain PyTorch below (kept under ``*_torch`` names, the
+Each op is an :class:`~vllm_glm53.backends.dispatch.Op`: a ``compiled`` implementation (csrc/indexer.cpp)
+when the kernels are built and take the call, else the ``torch`` one below (kept under a ``*_torch`` name, the
 reference the kernels are tested against). Both break exact ties with the same ``torch.topk`` call over the same
-row layout. :func:`select_batch` is the batch form over the paged cache.
+row layout. :data:`select_batch` is the batch-wide op the layer calls, over the paged cache and the step plan
+(:class:`~vllm_glm53.backends.plans.LatentCachePlan`); the others are its per-sequence steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from vllm_glm53.backends.cpu import kernels
-from vllm_glm53.backends.cpu.paged import as_index, sequence_rows
+from vllm_glm53.backends.cpu.paged import sequence_rows
+from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
+from vllm_glm53.backends.plans import LatentCachePlan
 
 __all__ = [
     "kpool_compress",
@@ -33,21 +34,25 @@ __all__ = [
 ]
 
 
-def kpool_compress(k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+kpool_compress = Op("kpool_compress")
+index_scores = Op("index_scores")
+select_tokens = Op("select_tokens")
+select_batch = Op("select_batch")
+
+
+@kpool_compress.register("compiled", compiled_kernels_check(lambda k, gate_logits, ape: (k, gate_logits, ape)))
+def _kpool_compress_compiled(k, gate_logits, ape):
+    return kernels.ops().kpool_compress(k, gate_logits, ape)
+
+
+@kpool_compress.register("torch")
+def kpool_compress_torch(k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
     """Compress complete pools: ``K_p[c] = sum_j softmax_j(gate[p*kp+j, c] + ape[j, c]) * k[p*kp+j, c]``.
 
     k: ``[T, dI]`` post-LayerNorm indexer keys; gate_logits: ``[T, dI]``; ape: ``[kp, dI]``; T a multiple of kp
     (the tokens of complete pools, in order). Returns ``[T // kp, dI]`` float32. The softmax runs over the kp
     slots of a pool, for each channel separately.
     """
-    ops = kernels.for_tensors(k, gate_logits, ape)
-    if ops is not None:
-        return ops.kpool_compress(k, gate_logits, ape)
-    return kpool_compress_torch(k, gate_logits, ape)
-
-
-def kpool_compress_torch(k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
-    """The plain-torch form of :func:`kpool_compress`."""
     kp, dI = ape.shape
     T = k.shape[0]
     if T % kp:
@@ -57,20 +62,18 @@ def kpool_compress_torch(k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.
     return (probs * k.to(torch.float32).view(T // kp, kp, dI)).sum(dim=1)
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+@index_scores.register("compiled", compiled_kernels_check(lambda q, weights, pooled: (q, weights, pooled)))
+def _index_scores_compiled(q, weights, pooled):
+    return kernels.ops().index_scores(q, weights, pooled)
+
+
+@index_scores.register("torch")
+def index_scores_torch(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
     """Pool scores ``I[t, p] = sum_h w[t, h] * ReLU(dI**-0.5 * q[t, h] . K_p)`` in float32.
 
     q: ``[Tq, nI, dI]``; weights: ``[Tq, nI]`` (already multiplied by ``nI**-0.5``); pooled: ``[P, dI]``.
     Returns ``[Tq, P]``. Causality is not applied here (see :func:`select_tokens`).
     """
-    ops = kernels.for_tensors(q, weights, pooled)
-    if ops is not None:
-        return ops.index_scores(q, weights, pooled)
-    return index_scores_torch(q, weights, pooled)
-
-
-def index_scores_torch(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-    """The plain-torch form of :func:`index_scores`."""
     dI = q.shape[-1]
     logits = torch.matmul(q.to(torch.float32), pooled.to(torch.float32).t())  # [Tq, nI, P]
     logits = torch.relu(logits * dI**-0.5)
@@ -103,7 +106,22 @@ def dense_causal_indices(
     return torch.where(col < end.unsqueeze(1), col, torch.full_like(col, -1))
 
 
-def select_tokens(
+def _select_tokens_check(scores, positions, topk, kp, always_select_tail=True):
+    if positions.device.type != "cpu":
+        return f"needs CPU positions, got {positions.device.type}"
+    return _scores_check(scores)
+
+
+_scores_check = compiled_kernels_check(lambda scores: () if scores is None else (scores,))
+
+
+@select_tokens.register("compiled", _select_tokens_check)
+def _select_tokens_compiled(scores, positions, topk, kp, always_select_tail=True):
+    return kernels.ops().select_tokens(scores, positions, topk, kp, always_select_tail)
+
+
+@select_tokens.register("torch")
+def select_tokens_torch(
     scores: torch.Tensor | None,
     positions: torch.Tensor,
     topk: int,
@@ -124,20 +142,6 @@ def select_tokens(
 
     Returns ``[Tq, index_width(topk, kp, always_select_tail)]`` int64, each row ascending, -1 padded.
     """
-    ops = kernels.for_tensors(*(() if scores is None else (scores,)))
-    if ops is not None and positions.device.type == "cpu":
-        return ops.select_tokens(scores, positions, topk, kp, always_select_tail)
-    return select_tokens_torch(scores, positions, topk, kp, always_select_tail)
-
-
-def select_tokens_torch(
-    scores: torch.Tensor | None,
-    positions: torch.Tensor,
-    topk: int,
-    kp: int,
-    always_select_tail: bool = True,
-) -> torch.Tensor:
-    """The plain-torch form of :func:`select_tokens`."""
     positions = positions.to(torch.int64)
     if all_candidates_fit(int(positions.max()), topk, kp):
         return dense_causal_indices(positions, topk, kp, always_select_tail)
@@ -182,13 +186,19 @@ def select_tokens_torch(
     return out
 
 
-def select_batch(
+@select_batch.register("compiled", compiled_kernels_check(
+    lambda q, weights, rows, plan, ape, *args, **kwargs: (q, weights, rows, ape)))
+def _select_batch_compiled(q, weights, rows, plan, ape, key_offset, topk, kp, always_select_tail=True):
+    return kernels.ops().indexer_select(q, weights, rows, plan.block_table, plan.cu_seqlens, plan.seq_lens, ape,
+                                        key_offset, topk, kp, always_select_tail)
+
+
+@select_batch.register("torch")
+def select_batch_torch(
     q: torch.Tensor,
     weights: torch.Tensor,
     rows: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: Sequence[int] | torch.Tensor,
-    seq_lens: Sequence[int] | torch.Tensor,
+    plan: LatentCachePlan,
     ape: torch.Tensor,
     key_offset: int,
     topk: int,
@@ -197,37 +207,17 @@ def select_batch(
 ) -> torch.Tensor:
     """Index rows for every query of a batch, reading the indexer keys from the paged cache.
 
-    q ``[T, nI, dI]`` and weights ``[T, nI]`` as in :func:`index_scores`, request r's queries at
-    ``query_start_loc[r]:query_start_loc[r+1]``, which are its last positions (``seq_lens[r]`` tokens in all);
-    rows ``[num_blocks, block_size, R]`` cache pages holding each token's indexer key at
-    ``[key_offset, key_offset + dI)`` and its pooling-gate logits right after; block_table ``[num_reqs,
-    max_blocks]``. Returns ``[T, index_width]`` int64, each row as :func:`select_tokens` gives it for that
-    request scored over transformers' row layout (``ceil(seq_len / kp)`` columns).
+    q ``[T, nI, dI]`` and weights ``[T, nI]`` as in :func:`index_scores`; the plan's request r has its queries at
+    ``cu_seqlens[r]:cu_seqlens[r+1]``, which are its last positions (``seq_lens[r]`` tokens in all, the first
+    ``context_lens[r]`` of them already cached); rows ``[num_blocks, block_size, R]`` cache pages holding each
+    token's indexer key at ``[key_offset, key_offset + dI)`` and its pooling-gate logits right after, found
+    through the plan's block table. Returns ``[T, index_width]`` int64, each row as :func:`select_tokens` gives
+    it for that request scored over transformers' row layout (``ceil(seq_len / kp)`` columns).
+
+    Plain torch: :func:`select_per_request` with the torch forms of the per-sequence steps.
     """
-    ops = kernels.for_tensors(q, weights, rows, ape)
-    if ops is not None and rows.stride(-1) == 1:
-        return ops.indexer_select(q, weights, rows, block_table, as_index(query_start_loc), as_index(seq_lens), ape,
-                                  key_offset, topk, kp, always_select_tail)
-    return select_batch_torch(q, weights, rows, block_table, query_start_loc, seq_lens, ape, key_offset, topk, kp,
-                              always_select_tail)
-
-
-def select_batch_torch(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    rows: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: Sequence[int] | torch.Tensor,
-    seq_lens: Sequence[int] | torch.Tensor,
-    ape: torch.Tensor,
-    key_offset: int,
-    topk: int,
-    kp: int,
-    always_select_tail: bool = True,
-) -> torch.Tensor:
-    """The plain-torch form of :func:`select_batch`: per request, gather its keys, compress, score, select."""
     return select_per_request(kpool_compress_torch, index_scores_torch, select_tokens_torch, q, weights, rows,
-                              block_table, query_start_loc, seq_lens, ape, key_offset, topk, kp, always_select_tail)
+                              plan, ape, key_offset, topk, kp, always_select_tail)
 
 
 def select_per_request(
@@ -237,9 +227,7 @@ def select_per_request(
     q: torch.Tensor,
     weights: torch.Tensor,
     rows: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: Sequence[int] | torch.Tensor,
-    seq_lens: Sequence[int] | torch.Tensor,
+    plan: LatentCachePlan,
     ape: torch.Tensor,
     key_offset: int,
     topk: int,
@@ -249,9 +237,10 @@ def select_per_request(
     """:func:`select_batch` one request at a time with a backend's per-sequence ops (``compress``, ``score``,
     ``select``: the signatures of :func:`kpool_compress`, :func:`index_scores`, :func:`select_tokens`): gather
     the keys of the request's complete pools from the pages, compress, score over transformers' row layout,
-    select. Outputs on ``q``'s device."""
+    select. Outputs on ``q``'s device. It reads the plan back to the host and loops over requests: a reference
+    form, and the GPU backend's until it has a batch-wide selection kernel."""
     dI = q.shape[-1]
-    starts, lens = as_index(query_start_loc).tolist(), as_index(seq_lens).tolist()
+    starts, lens = plan.cu_seqlens.tolist(), plan.seq_lens.tolist()
     out = torch.full((q.shape[0], index_width(topk, kp, always_select_tail)), -1, dtype=torch.int64,
                      device=q.device)
     for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
@@ -262,7 +251,7 @@ def select_per_request(
         scores = None
         if not all_candidates_fit(seq_len - 1, topk, kp):
             n_pooled = seq_len // kp * kp
-            keys = sequence_rows(rows, block_table[r], n_pooled)[:, key_offset : key_offset + 2 * dI]
+            keys = sequence_rows(rows, plan.block_table[r], n_pooled)[:, key_offset : key_offset + 2 * dI]
             scores = score(q[lo:hi], weights[lo:hi], compress(keys[:, :dI], keys[:, dI:], ape))
             if seq_len % kp:  # transformers' row layout has a column for the incomplete pool (never chosen)
                 scores = torch.nn.functional.pad(scores, (0, 1))

@@ -1,16 +1,25 @@
-"""KDA (Kimi Delta Attention) kernels for the CPU — architecture.md section 5.
+"""KDA (Kimi Delta Attention) ops for the CPU — architecture.md section 5.
 
-The decode step, the decode-time short conv and the prefill recurrence run as compiled kernels (csrc/kda.cpp)
-when those are built (:mod:`vllm_glm53.backends.cpu.kernels`), else as the plain PyTorch below; each plain form
-is kept under a ``*_torch`` name, the reference the compiled op is tested against.
+The batch-wide ops the layer calls, one call per step for every request (decodes, prefills, prefill chunks
+continuing a cached state, speculative verification), reading and writing vLLM's state pools through the step
+plan (:class:`~vllm_glm53.backends.plans.StateSlots`):
 
-Layouts (one sequence unless "batch" is said):
+  * :data:`causal_conv1d_varlen`: the short causal conv + SiLU over the conv-state pool;
+  * :data:`kda_varlen`: the delta rule over the recurrent-state pool.
+
+Each is an :class:`~vllm_glm53.backends.dispatch.Op` with a ``compiled`` implementation (csrc/kda.cpp, the exact
+recurrence token by token with each state group held in L1) and a ``torch`` one (per request: the chunked form
+below between store points), the reference the kernel is tested against. The per-sequence forms stay as the
+references they are: :func:`kda_recurrent` (naive, token by token), :func:`kda_chunked` (the chunked WY form,
+always chunked) and :func:`causal_conv1d`.
+
+Layouts:
   * activations ``[T, C]`` token-major; heads ``[T, H, d]``;
   * short-conv weight ``[C, K]`` (tap ``K-1`` multiplies the current token), conv state ``[C, K-1]`` = the last
-    ``K-1`` *pre-conv* inputs, oldest first;
+    ``K-1`` *pre-conv* inputs, oldest first; pools ``[N, C, K-1]``;
   * recurrent state ``[H, dk, dv]`` float32, KEY-major (rows are key channels), the layout of transformers and
-    fla. vLLM's own Triton kernels use the transposed ``[H, dv, dk]``; callers that share a pool with them must
-    transpose.
+    fla; pools ``[N, H, dk, dv]``. vLLM's own Triton kernels use the transposed ``[H, dv, dk]``; callers that
+    share a pool with them must transpose.
 
 The delta rule, per head, for token t (decay before the read):
     S <- Diag(exp g_t) S ;  r = S^T k_t ;  S <- S + k_t (beta_t (v_t - r))^T ;  o_t = S^T q_t
@@ -24,24 +33,19 @@ import torch
 import torch.nn.functional as F
 
 from vllm_glm53.backends.cpu import kernels
+from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
+from vllm_glm53.backends.plans import StateSlots
 
 __all__ = [
     "causal_conv1d",
-    "causal_conv1d_update",
-    "causal_conv1d_update_slots",
+    "causal_conv1d_varlen",
     "kda_gate",
     "l2norm_qk",
     "kda_chunked",
     "kda_recurrent",
-    "kda_decode_step",
-    "kda_decode_step_slots",
+    "kda_varlen",
     "gated_rmsnorm",
 ]
-
-def _f32_state(state: torch.Tensor) -> bool:
-    """The compiled delta rule updates float32 states whose rows (last dim) are contiguous, in place."""
-    return state.dtype == torch.float32 and state.stride(-1) == 1
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Short causal depthwise convolution (+ SiLU)
@@ -68,52 +72,6 @@ def causal_conv1d(
     y = F.conv1d(window.unsqueeze(0), weight.to(torch.float32).unsqueeze(1), groups=C).squeeze(0)  # [C, T]
     new_state = window[:, window.shape[1] - (K - 1) :].to(state.dtype).contiguous()
     return F.silu(y).t().to(x.dtype), new_state
-
-
-def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """One decode step for a batch: x ``[B, C]``, weight ``[C, K]``, state ``[B, C, K-1]`` updated IN PLACE
-    (shifted left by one, ``x`` written as the newest column). Returns SiLU(conv) ``[B, C]`` in ``x.dtype``.
-
-    If the caller gathered ``state`` out of a pool by slot index (a copy), it must scatter it back; or use
-    :func:`causal_conv1d_update_slots`, which works on the pool directly.
-    """
-    ops = kernels.for_tensors(x, weight, state)
-    if ops is not None:
-        return ops.causal_conv1d_update(x, weight, state, None)
-    return causal_conv1d_update_torch(x, weight, state)
-
-
-def causal_conv1d_update_slots(
-    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
-) -> torch.Tensor:
-    """:func:`causal_conv1d_update` on the conv states ``pool[slots[b]]`` of a state pool ``[N, C, K-1]``
-    (any strides), updated in place without a gather/scatter copy. Negative slots (padding) are left alone
-    and give zeros."""
-    ops = kernels.for_tensors(x, weight, pool)
-    if ops is not None:
-        return ops.causal_conv1d_update(x, weight, pool, slots)
-    return causal_conv1d_update_slots_torch(x, weight, pool, slots)
-
-
-def causal_conv1d_update_slots_torch(
-    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
-) -> torch.Tensor:
-    """The plain-torch form of :func:`causal_conv1d_update_slots` (gather, update, scatter)."""
-    valid = slots >= 0
-    out = torch.zeros_like(x)
-    idx = slots[valid].to(torch.int64)
-    state = pool[idx]
-    out[valid] = causal_conv1d_update_torch(x[valid], weight, state)
-    pool[idx] = state
-    return out
-
-
-def causal_conv1d_update_torch(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """The plain-torch form of :func:`causal_conv1d_update`."""
-    window = torch.cat([state.to(torch.float32), x.to(torch.float32).unsqueeze(-1)], dim=-1)  # [B, C, K]
-    y = (window * weight.to(torch.float32)).sum(-1)
-    state.copy_(window[..., 1:])
-    return F.silu(y).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -254,32 +212,8 @@ def kda_chunked(
     initial_state: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill of one sequence: same maths, shapes and results as :func:`kda_recurrent`, ``(o [T, H, dv],
-    state [H, dk, dv])`` float32, the input state not modified.
-
-    Compiled: the exact recurrence with the state held in L1 one column group at a time (csrc/kda.cpp);
-    ``chunk_size`` only shapes the torch form, :func:`kda_chunked_torch`.
-    """
-    ops = kernels.for_tensors(q, k, v, g, beta)
-    if ops is not None:
-        f32 = (t.to(torch.float32) for t in (q, k, v, g, beta))
-        init = None if initial_state is None else initial_state.to(torch.float32)
-        return tuple(ops.kda_prefill(*f32, init))
-    return kda_chunked_torch(q, k, v, g, beta, initial_state, chunk_size)
-
-
-def kda_chunked_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None = None,
-    chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked (WY / UT-transform) delta rule for one sequence: same maths as :func:`kda_recurrent`.
-
-    Shapes as in :func:`kda_recurrent`. ``g`` must be <= 0 (a decay), which both gate forms guarantee.
+    """Chunked (WY / UT-transform) delta rule for one sequence: same maths, shapes and results as
+    :func:`kda_recurrent`, ``(o [T, H, dv], state [H, dk, dv])`` float32, the input state not modified. ``g`` must be <= 0 (a decay), which both gate forms guarantee.
 
     Within a chunk with entry state S0, cumulative log-decay ``G_t = sum_{s<=t} g_s`` (per key channel, summed
     inside the chunk only) and ``u_s = beta_s (v_s - r_s)``:
@@ -335,77 +269,126 @@ def kda_chunked_torch(
     return o, S
 
 
-def kda_decode_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> torch.Tensor:
-    """One token for each of B sequences: q, k, g ``[B, H, dk]``, v ``[B, H, dv]``, beta ``[B, H]``, state
-    ``[B, H, dk, dv]`` float32 updated IN PLACE. Returns o ``[B, H, dv]`` float32.
+# --------------------------------------------------------------------------------------------------------------
+# Batch-wide ops over the state pools
+# --------------------------------------------------------------------------------------------------------------
 
-    ``state`` may be a view into a state pool (then the pool is updated directly); if the caller gathered it
-    by slot index (``pool[slots]`` makes a copy) it must scatter the result back (``pool[slots] = state``), or
-    use :func:`kda_decode_step_slots`, which works on the pool directly.
-
-    Compiled: decay, read, delta update and output in one fused pass over each state (csrc/kda.cpp).
-    """
-    ops = kernels.for_tensors(q, k, v, g, beta)
-    if ops is not None and _f32_state(state):
-        return ops.kda_decode_step(*(t.to(torch.float32) for t in (q, k, v, g, beta)), state, None)
-    return kda_decode_step_torch(q, k, v, g, beta, state)
+causal_conv1d_varlen = Op("causal_conv1d_varlen")
+kda_varlen = Op("kda_varlen")
 
 
-def kda_decode_step_slots(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`kda_decode_step` on the states ``pool[slots[b]]`` of a state pool ``[N, H, dk, dv]`` float32
-    (any slot/head strides), updated in place: no gather/scatter copy of the states, so each state is read
-    and written once. Negative slots (padding) are left alone and give zeros."""
-    ops = kernels.for_tensors(q, k, v, g, beta)
-    if ops is not None and _f32_state(pool):
-        return ops.kda_decode_step(*(t.to(torch.float32) for t in (q, k, v, g, beta)), pool, slots)
-    return kda_decode_step_slots_torch(q, k, v, g, beta, pool, slots)
+def _pool_rows_contiguous(*args, **kwargs) -> str | None:
+    pool = args[5] if len(args) > 5 else kwargs["pool"]
+    if pool.dtype != torch.float32:
+        return f"needs a float32 state pool, got {pool.dtype}"
+    return None if pool.stride(-1) == 1 else "needs state rows with contiguous values"
 
 
-def kda_decode_step_slots_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-) -> torch.Tensor:
-    """The plain-torch form of :func:`kda_decode_step_slots` (gather, step, scatter)."""
-    valid = slots >= 0
-    out = torch.zeros(*q.shape[:2], v.shape[-1], dtype=torch.float32, device=q.device)
-    idx = slots[valid].to(torch.int64)
-    state = pool[idx]
-    out[valid] = kda_decode_step_torch(q[valid], k[valid], v[valid], g[valid], beta[valid], state)
-    pool[idx] = state
-    return out
+def _both(*checks):
+    def check(*args, **kwargs):
+        for c in checks:
+            reason = c(*args, **kwargs)
+            if reason is not None:
+                return reason
+        return None
+
+    return check
 
 
-def kda_decode_step_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> torch.Tensor:
-    """The plain-torch form of :func:`kda_decode_step`."""
-    q, k, v, g, beta = (t.to(torch.float32) for t in (q, k, v, g, beta))
-    state.mul_(torch.exp(g).unsqueeze(-1))
+@causal_conv1d_varlen.register("compiled", compiled_kernels_check(lambda x, weight, pool, plan: (x, weight, pool)))
+def _causal_conv1d_varlen_compiled(x, weight, pool, plan):
+    return kernels.ops().causal_conv1d_varlen(x, weight, pool, plan.cu_seqlens, plan.state_in, plan.state_out,
+                                              plan.state_out_at)
+
+
+@causal_conv1d_varlen.register("torch")
+def causal_conv1d_varlen_torch(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
+                               plan: StateSlots) -> torch.Tensor:
+    """Short causal conv + SiLU for a whole batch over the conv-state pool ``[N, C, K-1]``: x ``[T, C]``,
+    weight ``[C, K]``; each request reads its window from ``pool[plan.state_in[r]]`` (zeros for -1) and stores
+    the window after each of its store points (:class:`StateSlots`). Returns ``[T, C]`` in ``x.dtype``, zeros
+    for tokens outside every request. Plain torch: :func:`conv_per_request` with :func:`causal_conv1d`."""
+    return conv_per_request(causal_conv1d, x, weight, pool, plan)
+
+
+def conv_per_request(conv, x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
+                     plan: StateSlots) -> torch.Tensor:
+    """:data:`causal_conv1d_varlen` one request at a time with a backend's per-sequence ``conv`` (the signature
+    of :func:`causal_conv1d`), split at the request's store points. It reads the plan back to the host: a
+    reference form, not a decode path."""
+    y = torch.zeros_like(x)
+    for first, length, slot_in, outs in plan.rows():
+        if length == 0:
+            continue
+        state = pool[slot_in] if slot_in >= 0 else torch.zeros_like(pool[0])
+        t = 0
+        for after, slot in outs + [(length - 1, None)]:
+            if after + 1 > t:
+                y[first + t : first + after + 1], state = conv(x[first + t : first + after + 1], weight, state)
+                t = after + 1
+            if slot is not None:
+                pool[slot] = state
+    return y
+
+
+@kda_varlen.register("compiled", _both(
+    compiled_kernels_check(lambda q, k, v, g, beta, pool, plan, chunk_size=64: (q, k, v, g, beta)),
+    _pool_rows_contiguous))
+def _kda_varlen_compiled(q, k, v, g, beta, pool, plan, chunk_size=64):
+    f32 = (t.to(torch.float32) for t in (q, k, v, g, beta))
+    return kernels.ops().kda_varlen(*f32, pool, plan.cu_seqlens, plan.state_in, plan.state_out, plan.state_out_at)
+
+
+@kda_varlen.register("torch")
+def kda_varlen_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     pool: torch.Tensor, plan: StateSlots, chunk_size: int = 64) -> torch.Tensor:
+    """The delta rule for a whole batch over the state pool ``[N, H, dk, dv]`` float32: q, k, g ``[T, H, dk]``
+    (q, k normalised and scaled), v ``[T, H, dv]``, beta ``[T, H]``; request r starts from
+    ``pool[plan.state_in[r]]`` (zeros for -1) and stores the state after each of its store points
+    (:class:`StateSlots`). Returns o ``[T, H, dv]`` float32, zeros for tokens outside every request.
+
+    Plain torch: a batch of single tokens that store in place (plain decode) is one gather, step and scatter,
+    without reading the plan back; anything else :func:`delta_rule_per_request` with :func:`kda_chunked`
+    (``chunk_size``)."""
+    if plan.max_query_len == 1 and plan.state_out.shape[1] == 1:
+        o = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+        return _decode_torch(q, k, v, g, beta, pool, plan, o)
+    return delta_rule_per_request(kda_chunked, q, k, v, g, beta, pool, plan, chunk_size)
+
+
+def delta_rule_per_request(chunked, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, pool: torch.Tensor, plan: StateSlots,
+                           chunk_size: int = 64) -> torch.Tensor:
+    """:data:`kda_varlen` one request at a time with a backend's per-sequence ``chunked`` delta rule (the
+    signature of :func:`kda_chunked`), split at the request's store points. It reads the plan back to the host:
+    a reference form, not a decode path."""
+    o = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    for first, length, slot_in, outs in plan.rows():
+        if length == 0:
+            continue
+        state = pool[slot_in] if slot_in >= 0 else None
+        t = 0
+        for after, slot in outs + [(length - 1, None)]:
+            if after + 1 > t:
+                span = slice(first + t, first + after + 1)
+                o[span], state = chunked(q[span], k[span], v[span], g[span], beta[span], state, chunk_size)
+                t = after + 1
+            if slot is not None:
+                pool[slot] = state
+    return o
+
+
+def _decode_torch(q, k, v, g, beta, pool, plan, o):
+    """One token per request, in plain torch without reading the plan back: gather, one step, scatter."""
+    n = plan.num_reqs
+    tok = plan.cu_seqlens[:n]
+    live = ((plan.cu_seqlens[1 : n + 1] > tok) & (plan.state_out_at[:, 0] >= 0)).nonzero().squeeze(1)
+    tok, slot_in = tok[live], plan.state_in[live]
+    state = pool[slot_in.clamp(min=0)].masked_fill((slot_in < 0).view(-1, 1, 1, 1), 0.0)
+    q, k, v, g, beta = (t[tok].to(torch.float32) for t in (q, k, v, g, beta))
+    state = state * torch.exp(g).unsqueeze(-1)
     r = torch.einsum("bhkv,bhk->bhv", state, k)
-    state.add_(k.unsqueeze(-1) * (beta.unsqueeze(-1) * (v - r)).unsqueeze(-2))
-    return torch.einsum("bhkv,bhk->bhv", state, q)
+    state = state + k.unsqueeze(-1) * (beta.unsqueeze(-1) * (v - r)).unsqueeze(-2)
+    o[tok] = torch.einsum("bhkv,bhk->bhv", state, q)
+    pool[plan.state_out[live, 0]] = state
+    return o

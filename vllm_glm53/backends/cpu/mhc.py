@@ -1,8 +1,8 @@
 """mHC (manifold-constrained hyper-connections) for the CPU — architecture.md section 3; the maths is explained in
 :mod:`vllm_glm53.model.mhc`.
 
-Everything except the coefficient GEMM runs as compiled kernels (csrc/mhc.cpp) when those are built
-(:mod:`vllm_glm53.backends.cpu.kernels`): the RMS normalisation of the flattened streams, the sigmoid / softmax /
+Each op is an :class:`~vllm_glm53.backends.dispatch.Op`; everything except the coefficient GEMM has a
+``compiled`` implementation (csrc/mhc.cpp), used when the kernels are built: the RMS normalisation of the flattened streams, the sigmoid / softmax /
 Sinkhorn steps per token, the collapse and the expand. In plain torch the coefficients alone are some 150 tiny
 ops per block, two blocks per decoder layer per step, and their dispatch cost weighs on a small-batch decode.
 The GEMM with ``fn`` stays a torch matmul in both paths. The plain forms are kept under ``*_torch`` names, the
@@ -15,11 +15,25 @@ from __future__ import annotations
 import torch
 
 from vllm_glm53.backends.cpu import kernels
+from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
 
 __all__ = ["mhc_coefficients", "mhc_collapse", "mhc_expand"]
 
 
-def mhc_coefficients(
+mhc_coefficients = Op("mhc_coefficients")
+mhc_collapse = Op("mhc_collapse")
+mhc_expand = Op("mhc_expand")
+
+
+@mhc_coefficients.register("compiled", compiled_kernels_check(lambda X, fn, base, scale, *a, **k: (X, fn, base, scale)))
+def _mhc_coefficients_compiled(X, fn, base, scale, hc_mult, eps, sinkhorn_iters, norm_eps):
+    ops = kernels.ops()
+    m = ops.mhc_rms_norm(X, norm_eps) @ fn.to(torch.float32).t()  # the GEMM stays a torch matmul
+    return ops.mhc_coefficients(m, base, scale, hc_mult, eps, sinkhorn_iters)
+
+
+@mhc_coefficients.register("torch")
+def mhc_coefficients_torch(
     X: torch.Tensor,
     fn: torch.Tensor,
     base: torch.Tensor,
@@ -37,24 +51,6 @@ def mhc_coefficients(
     Returns float32 ``pre [T, n]``, ``post [T, n]`` in (0, 2) and ``comb [T, n, n]`` (Sinkhorn-normalised,
     columns sum to 1; ``comb[i, j]`` weighs input stream i into output stream j).
     """
-    ops = kernels.for_tensors(X, fn, base, scale)
-    if ops is None:
-        return mhc_coefficients_torch(X, fn, base, scale, hc_mult, eps, sinkhorn_iters, norm_eps)
-    m = ops.mhc_rms_norm(X, norm_eps) @ fn.to(torch.float32).t()  # the GEMM stays a torch matmul
-    return ops.mhc_coefficients(m, base, scale, hc_mult, eps, sinkhorn_iters)
-
-
-def mhc_coefficients_torch(
-    X: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    hc_mult: int,
-    eps: float,
-    sinkhorn_iters: int,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`mhc_coefficients` in plain torch (any device)."""
     m = mhc_rms_norm_torch(X, norm_eps) @ fn.to(torch.float32).t()  # [T, (2+n)n]
     return mhc_coefficients_from_mix_torch(m, base, scale, hc_mult, eps, sinkhorn_iters)
 
@@ -84,29 +80,34 @@ def mhc_coefficients_from_mix_torch(
     return pre, post, comb
 
 
-def mhc_collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """``u = sum_i pre_i X_i``: ``[T, n, D] -> [T, D]``, float32 accumulation, returned in ``X.dtype``."""
-    ops = kernels.for_tensors(X, pre)
-    if ops is None:
-        return mhc_collapse_torch(X, pre)
-    return ops.mhc_collapse(X, pre)
+@mhc_collapse.register("compiled", compiled_kernels_check(lambda X, pre: (X, pre)))
+def _mhc_collapse_compiled(X, pre):
+    return kernels.ops().mhc_collapse(X, pre)
 
 
+@mhc_collapse.register("torch")
 def mhc_collapse_torch(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """:func:`mhc_collapse` in plain torch (any device)."""
+    """``u = sum_i pre_i X_i``: ``[T, n, D] -> [T, D]``, float32 accumulation, returned in ``X.dtype``."""
     return (pre.to(torch.float32).unsqueeze(-1) * X.to(torch.float32)).sum(dim=1).to(X.dtype)
 
 
-def mhc_expand(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+_expand_tensors = compiled_kernels_check(lambda X, y, post, comb: (X, y, post, comb))
+
+
+def _expand_check(X, y, post, comb):
+    if y.dtype != X.dtype:
+        return f"reads y in the streams' dtype {X.dtype}, got {y.dtype}"
+    return _expand_tensors(X, y, post, comb)
+
+
+@mhc_expand.register("compiled", _expand_check)
+def _mhc_expand_compiled(X, y, post, comb):
+    return kernels.ops().mhc_expand(X, y, post, comb)
+
+
+@mhc_expand.register("torch")
+def mhc_expand_torch(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``X'_j = post_j y + sum_i comb[i, j] X_i`` (``X' = post (x) y + comb^T X``): ``[T, n, D]``, float32 maths,
     returned in ``X.dtype``."""
-    ops = kernels.for_tensors(X, y, post, comb)
-    if ops is None or y.dtype != X.dtype:  # the kernel reads y in the streams' dtype
-        return mhc_expand_torch(X, y, post, comb)
-    return ops.mhc_expand(X, y, post, comb)
-
-
-def mhc_expand_torch(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """:func:`mhc_expand` in plain torch (any device)."""
     mixed = torch.matmul(comb.to(torch.float32).transpose(-1, -2), X.to(torch.float32))
     return (post.to(torch.float32).unsqueeze(-1) * y.to(torch.float32).unsqueeze(1) + mixed).to(X.dtype)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_glm53.backends.cpu import kernels
+from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
 
 __all__ = ["clamped_swiglu", "group_by_expert", "routed_experts"]
 
@@ -24,7 +25,26 @@ __all__ = ["clamped_swiglu", "group_by_expert", "routed_experts"]
 KERNEL_MAX_PAIRS_PER_EXPERT = {torch.float32: 128, torch.float16: 128, torch.bfloat16: 16}
 
 
-def routed_experts(
+routed_experts = Op("routed_experts")
+_expert_tensors = compiled_kernels_check(lambda x, w13, w2, ids, weights, swiglu_limit: (x, w13, w2, weights))
+
+
+def _experts_check(x, w13, w2, ids, weights, swiglu_limit):
+    if w13.dtype != w2.dtype:
+        return f"needs one weight dtype, got {w13.dtype} and {w2.dtype}"
+    if w13.dtype in KERNEL_MAX_PAIRS_PER_EXPERT and ids.numel() > KERNEL_MAX_PAIRS_PER_EXPERT[w13.dtype] * w13.shape[0]:
+        return (f"more than {KERNEL_MAX_PAIRS_PER_EXPERT[w13.dtype]} (token, expert) pairs per expert "
+                f"in {w13.dtype}: torch's GEMMs are faster there")
+    return _expert_tensors(x, w13, w2, ids, weights, swiglu_limit)
+
+
+@routed_experts.register("compiled", _experts_check)
+def _routed_experts_compiled(x, w13, w2, ids, weights, swiglu_limit):
+    return kernels.ops().moe_experts(x, w13, w2, ids, weights, float(swiglu_limit))
+
+
+@routed_experts.register("torch")
+def routed_experts_torch(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -36,22 +56,9 @@ def routed_experts(
 
     x: ``[T, D]``; w13: ``[E, 2I, D]`` (rows: I gate, then I up); w2: ``[E, D, I]``; ids: ``[T, k]`` expert ids;
     weights: ``[T, k]`` float32 routing weights. Returns ``[T, D]`` float32.
+
+    Plain torch (any device): one GEMM pair per expert that received tokens.
     """
-    ops = kernels.for_tensors(x, w13, w2, weights)
-    if ops is None or w13.dtype != w2.dtype or ids.numel() > KERNEL_MAX_PAIRS_PER_EXPERT[w13.dtype] * w13.shape[0]:
-        return routed_experts_torch(x, w13, w2, ids, weights, swiglu_limit)
-    return ops.moe_experts(x, w13, w2, ids, weights, float(swiglu_limit))
-
-
-def routed_experts_torch(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    swiglu_limit: float,
-) -> torch.Tensor:
-    """:func:`routed_experts` in plain torch (any device): one GEMM pair per expert that received tokens."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     order, token_of, counts = group_by_expert(ids, w13.shape[0])
     start = 0

@@ -7,20 +7,21 @@ latent (``kv_a_layernorm`` output) of token s:
     o[t, h]     = W_UV[h] o_lat[t, h]
 which equals attention with ``k_s = W_UK[h] c_s``, ``v_s = W_UV[h] c_s`` restricted to the selected set S_t.
 
-The attention itself runs as a compiled kernel (csrc/sparse_mla.cpp) when that is built
-(:mod:`vllm_glm53.backends.cpu.kernels`), else as plain PyTorch (``sparse_latent_attention_torch``, the reference
-the kernel is tested against). :func:`sparse_latent_attention_paged` is the batch form over the paged cache: the
-kernel reads only the selected rows, in place, so a decode step costs O(index width) however long the context.
+The attention is an :class:`~vllm_glm53.backends.dispatch.Op`: a ``compiled`` implementation (csrc/sparse_mla.cpp)
+when the kernels are built and take the call, else plain PyTorch (the ``*_torch`` forms, the reference the kernel
+is tested against). :data:`sparse_latent_attention_paged` is the batch-wide op the layer calls, over the paged
+cache and the step plan (:class:`~vllm_glm53.backends.plans.LatentCachePlan`): the kernel reads only the selected
+rows, in place, so a decode step costs O(index width) however long the context.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from vllm_glm53.backends.cpu import kernels
-from vllm_glm53.backends.cpu.paged import as_index, sequence_rows
+from vllm_glm53.backends.cpu.paged import sequence_rows
+from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
+from vllm_glm53.backends.plans import LatentCachePlan
 
 __all__ = ["split_kv_b", "absorb_q", "apply_uv", "sparse_latent_attention", "sparse_latent_attention_paged"]
 
@@ -56,7 +57,69 @@ def _masked_softmax(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(probs, nan=0.0)
 
 
-def sparse_latent_attention(
+sparse_latent_attention = Op("sparse_latent_attention")
+sparse_latent_attention_paged = Op("sparse_latent_attention_paged")
+
+
+def _one_page_check(q_lat, latent, indices, scale, max_chunk_elems=_CHUNK_ELEMS):
+    if latent.shape[0] == 0:
+        return "empty latent"
+    if latent.stride(-1) != 1:
+        return "needs latent rows with contiguous values"
+    return _tensors_check(q_lat, latent)
+
+
+_tensors_check = compiled_kernels_check(lambda q_lat, latent: (q_lat, latent))
+
+
+@sparse_latent_attention.register("compiled", _one_page_check)
+def _sparse_latent_attention_compiled(q_lat, latent, indices, scale, max_chunk_elems=_CHUNK_ELEMS):
+    # The whole sequence as one page of S rows.
+    table = torch.zeros(1, 1, dtype=torch.int64)
+    starts = torch.tensor([0, q_lat.shape[0]], dtype=torch.int64)
+    return kernels.ops().sparse_latent_attention(q_lat, latent.unsqueeze(0), table, starts, indices, scale,
+                                                 latent.shape[1])
+
+
+def _paged_check(q_lat, rows, plan, indices, scale, latent_dim):
+    return "needs cache rows with contiguous values" if rows.stride(-1) != 1 else _tensors_check(q_lat, rows)
+
+
+@sparse_latent_attention_paged.register("compiled", _paged_check)
+def _sparse_latent_attention_paged_compiled(q_lat, rows, plan, indices, scale, latent_dim):
+    return kernels.ops().sparse_latent_attention(q_lat, rows, plan.block_table, plan.cu_seqlens, indices, scale,
+                                                 latent_dim)
+
+
+@sparse_latent_attention_paged.register("torch")
+def sparse_latent_attention_paged_torch(
+    q_lat: torch.Tensor,
+    rows: torch.Tensor,
+    plan: LatentCachePlan,
+    indices: torch.Tensor,
+    scale: float,
+    latent_dim: int,
+) -> torch.Tensor:
+    """:func:`sparse_latent_attention` for a whole batch, reading the paged cache.
+
+    q_lat ``[T, H, L]``: the queries of all requests, the plan's request r's at ``cu_seqlens[r]:cu_seqlens[r+1]``;
+    rows ``[num_blocks, block_size, R]``: cache pages whose first ``latent_dim`` (= L) values per row are the
+    latent, found through the plan's block table; indices ``[T, N]`` positions within each query's request,
+    -1 = unused. Returns ``o_lat [T, H, L]`` in q_lat's dtype.
+
+    Plain torch: per request, gather its rows and attend (it reads the plan back to the host: a reference form).
+    """
+    starts, lens = plan.cu_seqlens.tolist(), plan.seq_lens.tolist()
+    out = torch.zeros_like(q_lat)
+    for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+        if hi > lo:
+            latent = sequence_rows(rows, plan.block_table[r], lens[r])[:, :latent_dim]
+            out[lo:hi] = sparse_latent_attention_torch(q_lat[lo:hi], latent, indices[lo:hi], scale)
+    return out
+
+
+@sparse_latent_attention.register("torch")
+def sparse_latent_attention_torch(
     q_lat: torch.Tensor,
     latent: torch.Tensor,
     indices: torch.Tensor,
@@ -70,71 +133,8 @@ def sparse_latent_attention(
     attend (distinct within a row, any order), -1 = unused; scale: softmax scale (``qk_head_dim ** -0.5``).
     Returns ``o_lat [Tq, H, L]`` in ``q_lat.dtype`` (apply :func:`apply_uv` next). Softmax and accumulation in
     float32; a query with no valid index gets zeros.
-    """
-    ops = kernels.for_tensors(q_lat, latent)
-    if ops is not None and latent.shape[0] > 0 and latent.stride(-1) == 1:
-        # The whole sequence as one page of S rows.
-        table = torch.zeros(1, 1, dtype=torch.int64)
-        starts = torch.tensor([0, q_lat.shape[0]], dtype=torch.int64)
-        return ops.sparse_latent_attention(q_lat, latent.unsqueeze(0), table, starts, indices, scale, latent.shape[1])
-    return sparse_latent_attention_torch(q_lat, latent, indices, scale, max_chunk_elems)
 
-
-def sparse_latent_attention_paged(
-    q_lat: torch.Tensor,
-    rows: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: Sequence[int] | torch.Tensor,
-    seq_lens: Sequence[int] | torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    latent_dim: int,
-) -> torch.Tensor:
-    """:func:`sparse_latent_attention` for a whole batch, reading the paged cache in place.
-
-    q_lat ``[T, H, L]``: the queries of all requests, request r's at ``query_start_loc[r]:query_start_loc[r+1]``;
-    rows ``[num_blocks, block_size, R]``: cache pages whose first ``latent_dim`` (= L) values per row are the
-    latent; block_table ``[num_reqs, max_blocks]``; seq_lens ``[num_reqs]`` tokens per request; indices
-    ``[T, N]`` positions within each query's request, -1 = unused. Returns ``o_lat [T, H, L]`` in q_lat's dtype.
-    """
-    ops = kernels.for_tensors(q_lat, rows)
-    if ops is not None and rows.stride(-1) == 1:
-        return ops.sparse_latent_attention(q_lat, rows, block_table, as_index(query_start_loc), indices, scale,
-                                           latent_dim)
-    return sparse_latent_attention_paged_torch(q_lat, rows, block_table, query_start_loc, seq_lens, indices, scale,
-                                               latent_dim)
-
-
-def sparse_latent_attention_paged_torch(
-    q_lat: torch.Tensor,
-    rows: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: Sequence[int] | torch.Tensor,
-    seq_lens: Sequence[int] | torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    latent_dim: int,
-) -> torch.Tensor:
-    """The plain-torch form of :func:`sparse_latent_attention_paged`: per request, gather its rows and attend."""
-    starts, lens = as_index(query_start_loc).tolist(), as_index(seq_lens).tolist()
-    out = torch.zeros_like(q_lat)
-    for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
-        if hi > lo:
-            latent = sequence_rows(rows, block_table[r], lens[r])[:, :latent_dim]
-            out[lo:hi] = sparse_latent_attention_torch(q_lat[lo:hi], latent, indices[lo:hi], scale)
-    return out
-
-
-def sparse_latent_attention_torch(
-    q_lat: torch.Tensor,
-    latent: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    max_chunk_elems: int = _CHUNK_ELEMS,
-) -> torch.Tensor:
-    """The plain-torch form of :func:`sparse_latent_attention`.
-
-    Two equivalent vectorised forms, chosen per call by cost: gather the N selected rows per query (long
+    Plain torch: two equivalent vectorised forms, chosen per call by cost: gather the N selected rows per query (long
     contexts), or score all S rows and mask (when S is not much larger than N, e.g. dense prefill). Queries are
     processed in chunks so no intermediate exceeds ``max_chunk_elems`` elements.
     """

@@ -21,8 +21,6 @@ accumulation (vLLM's own indexer goes further, to FP8).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +33,8 @@ from vllm_glm53.backends.cpu.indexer import (
     index_width,
     select_per_request,
 )
+from vllm_glm53.backends.dispatch import Op
+from vllm_glm53.backends.plans import LatentCachePlan
 
 __all__ = [
     "kpool_compress",
@@ -243,24 +243,27 @@ def select_tokens(
     return out
 
 
-def select_batch(
+select_batch = Op("select_batch")
+
+
+@select_batch.register("triton")
+def select_batch_triton(
     q: torch.Tensor,
     weights: torch.Tensor,
     rows: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: Sequence[int] | torch.Tensor,
-    seq_lens: Sequence[int] | torch.Tensor,
+    plan: LatentCachePlan,
     ape: torch.Tensor,
     key_offset: int,
     topk: int,
     kp: int,
     always_select_tail: bool = True,
 ) -> torch.Tensor:
-    """Index rows for every query of a batch from the paged cache (the oracle's contract): request r's queries
-    ``q[query_start_loc[r]:query_start_loc[r+1]]`` are its last positions of ``seq_lens[r]``; its indexer keys
+    """Index rows for every query of a batch from the paged cache (the oracle's contract): the plan's request r
+    has its queries at ``cu_seqlens[r]:cu_seqlens[r+1]``, its last positions of ``seq_lens[r]``; its indexer keys
     sit at ``[key_offset, key_offset + dI)`` of its cache rows and the pooling-gate logits right after.
 
-    Per request: its complete pools' keys are gathered from the pages (one copy of 2 x dI values per token),
-    then compressed, scored and selected by the kernels above."""
-    return select_per_request(kpool_compress, index_scores, select_tokens, q, weights, rows, block_table,
-                              query_start_loc, seq_lens, ape, key_offset, topk, kp, always_select_tail)
+    Per request (:func:`~vllm_glm53.backends.cpu.indexer.select_per_request`, which reads the plan back to the
+    host): its complete pools' keys are gathered from the pages (one copy of 2 x dI values per token), then
+    compressed, scored and selected by the kernels above."""
+    return select_per_request(kpool_compress, index_scores, select_tokens, q, weights, rows, plan, ape,
+                              key_offset, topk, kp, always_select_tail)

@@ -10,10 +10,13 @@ so a layer can use either module. What this module adapts around fla:
     which reads and writes vLLM's ``[C, K-1]`` states in place, through slot indices, at any strides.
   * recurrent state: key-major ``[H, dk, dv]`` float32 on both sides (fla's default; vLLM's own Triton kernels
     use the transposed value-major layout — ``state_v_first`` would select it).
-  * state slots: :func:`kda_decode_step_slots` runs decode steps directly on a vLLM state pool
-    ``[slots, H, dk, dv]`` (read and written in place through slot indices, no gather/scatter copies), and
-    :func:`kda_spec_decode_slots` covers speculative decoding, where a request owns one slot per draft position
-    and starts from the slot of its last accepted token (vLLM's GDN metadata provides exactly these tensors).
+  * state slots: the batch ops :data:`kda_varlen` and :data:`causal_conv1d_varlen` read the step plan
+    (:class:`~vllm_glm53.backends.plans.StateSlots`). A step of plain decodes runs fla's fused recurrent kernel
+    and this module's conv kernel directly on vLLM's pools (read and written in place through slot indices);
+    a step whose requests all verify drafts runs fla's speculative mode (one slot per draft position, starting
+    from the slot of the last accepted token). Other steps (prefills, mixes) go request by request through
+    the per-sequence kernels (:func:`vllm_glm53.backends.cpu.kda.delta_rule_per_request`), which reads the plan
+    back to the host.
   * scale: the layer passes q already L2-normalised and scaled (``l2norm_qk``), so fla's own scale is 1.
 
 fla's ``chunk_kda`` works in chunks of 64 tokens; the ``chunk_size`` argument is accepted for signature
@@ -33,19 +36,18 @@ from fla.ops.kda.gate import fused_kda_gate as _fla_kda_gate
 
 # L2 normalisation stays plain torch: two elementwise passes that fuse well under torch.compile, and the exact
 # expression the oracle uses (fla's fused variant lives inside chunk_kda, which the layer does not ask for).
-from vllm_glm53.backends.cpu.kda import l2norm_qk
+from vllm_glm53.backends.cpu.kda import conv_per_request, delta_rule_per_request, l2norm_qk
+from vllm_glm53.backends.dispatch import Op
+from vllm_glm53.backends.plans import StateSlots
 
 __all__ = [
     "causal_conv1d",
-    "causal_conv1d_update",
-    "causal_conv1d_update_slots",
+    "causal_conv1d_varlen",
     "kda_gate",
     "l2norm_qk",
     "kda_chunked",
     "kda_recurrent",
-    "kda_decode_step",
-    "kda_decode_step_slots",
-    "kda_spec_decode_slots",
+    "kda_varlen",
     "gated_rmsnorm",
 ]
 
@@ -101,32 +103,55 @@ def _conv_update_kernel(
     tl.store(y_ptr + b * C + chans, y.to(y_ptr.dtype.element_ty), mask=chans < C)
 
 
-def causal_conv1d_update_slots(
-    x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
-) -> torch.Tensor:
-    """One decode step on the conv states ``pool[slots[b]]`` of a state pool ``[N, C, K-1]`` (any strides),
-    updated in place. x ``[B, C]``, weight ``[C, K]``. Returns SiLU(conv) ``[B, C]`` in ``x.dtype``; negative
-    slots (padding) are left alone and give zeros."""
-    B, C = x.shape
-    K = weight.shape[-1]
-    y = torch.empty(B, C, dtype=x.dtype, device=x.device)
+causal_conv1d_varlen = Op("causal_conv1d_varlen")
+kda_varlen = Op("kda_varlen")
+
+
+def _plain_decode_check(*args, **kwargs) -> str | None:
+    plan = args[3] if len(args) > 3 else kwargs["plan"]
+    if plan.max_query_len != 1 or plan.state_out.shape[1] != 1:
+        return "a step of single-token requests storing in place only"
+    return None
+
+
+def _zero_fresh(pool: torch.Tensor, plan: StateSlots) -> None:
+    """Fresh requests (no state in) start from zeros: clear their output slot first, without reading the plan
+    back (other rows write their own value back; padding rows address slot -1 the same way)."""
+    dst = plan.state_out[:, 0]
+    fresh = (plan.state_in < 0).view(-1, *([1] * (pool.dim() - 1)))
+    pool[dst] = torch.where(fresh, torch.zeros((), dtype=pool.dtype, device=pool.device), pool[dst])
+
+
+@causal_conv1d_varlen.register("triton", _plain_decode_check)
+def _conv_decode(x, weight, pool, plan):
+    """One token per request on the conv states ``pool[slot]`` in place (this module's Triton kernel)."""
+    _zero_fresh(pool, plan)
+    n = plan.num_reqs
+    # A request without a token (padding) gets slot -1: the kernel leaves its state alone. Token r belongs to
+    # request r in a step of single tokens.
+    live = plan.cu_seqlens[1 : n + 1] > plan.cu_seqlens[:n]
+    slots = torch.where(live & (plan.state_out_at[:, 0] >= 0), plan.state_out[:, 0], -1)
+    y = torch.zeros_like(x)
+    B, C = min(n, x.shape[0]), x.shape[1]
     if B == 0:
         return y
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    xs = x[:B] if x.stride(-1) == 1 else x[:B].contiguous()
+    K = weight.shape[-1]
     BC = 256
     _conv_update_kernel[(B, triton.cdiv(C, BC))](
-        x, weight.to(torch.float32).contiguous(), pool, slots.contiguous(), y,
-        C, x.stride(0), pool.stride(0), pool.stride(1), pool.stride(2),
+        xs, weight.to(torch.float32).contiguous(), pool, slots[:B].contiguous(), y,
+        C, xs.stride(0), pool.stride(0), pool.stride(1), pool.stride(2),
         K=K, BC=BC,
     )
     return y
 
 
-def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """One decode step for a batch: x ``[B, C]``, weight ``[C, K]``, state ``[B, C, K-1]`` updated IN PLACE.
-    Returns SiLU(conv) ``[B, C]`` in ``x.dtype``."""
-    return causal_conv1d_update_slots(x, weight, state, torch.arange(x.shape[0], device=x.device))
+@causal_conv1d_varlen.register("fla")
+def causal_conv1d_varlen_fla(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
+                             plan: StateSlots) -> torch.Tensor:
+    """Short causal conv + SiLU for a whole batch over the conv-state pool (the oracle's contract): request by
+    request through fla's conv kernel."""
+    return conv_per_request(causal_conv1d, x, weight, pool, plan)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -216,72 +241,53 @@ def _recurrent_on_pool(q, k, v, g, beta, pool, slots, num_accepted_tokens, query
     return o[0].to(torch.float32)
 
 
-def _pool_ok(pool: torch.Tensor) -> bool:
-    return pool.dtype == torch.float32 and pool[0].is_contiguous()
+def _pool_check(*args, **kwargs) -> str | None:
+    pool = args[5] if len(args) > 5 else kwargs["pool"]
+    if pool.dtype != torch.float32 or not pool[0].is_contiguous():
+        return "needs a float32 pool whose [H, dk, dv] states are contiguous"
+    return None
 
 
-def kda_decode_step_slots(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-) -> torch.Tensor:
-    """One token for each of B sequences on the states ``pool[slots[b]]`` of a state pool ``[N, H, dk, dv]``
-    float32, updated in place (no gather/scatter copies). q, k, g ``[B, H, dk]``, v ``[B, H, dv]``, beta
-    ``[B, H]``. Returns o ``[B, H, dv]`` float32; negative slots (padding) are left alone and give zeros."""
-    B = q.shape[0]
-    out = torch.zeros(B, v.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
-    # fla's kernel has no padding slot: run the valid rows only (one host sync for the count).
-    rows = torch.nonzero(slots >= 0).squeeze(1)
-    if rows.numel() == 0:
-        return out
-    if rows.numel() < B:
-        q, k, v, g, beta, slots = (t[rows] for t in (q, k, v, g, beta, slots))
-    if _pool_ok(pool):
-        o = _recurrent_on_pool(q, k, v, g, beta, pool, slots, None,
-                               torch.arange(q.shape[0] + 1, device=q.device))
-    else:  # an unusual layout: step gathered copies and write them back
-        idx = slots.to(torch.int64)
-        states = pool[idx].contiguous()
-        o = _recurrent_on_pool(q, k, v, g, beta, states, torch.arange(q.shape[0], device=q.device), None,
-                               torch.arange(q.shape[0] + 1, device=q.device))
-        pool[idx] = states
-    out[rows] = o
-    return out
+def _decode_check(*args, **kwargs) -> str | None:
+    plan = args[6] if len(args) > 6 else kwargs["plan"]
+    if plan.max_query_len != 1 or plan.state_out.shape[1] != 1:
+        return "a step of single-token requests storing in place only"
+    return _pool_check(*args, **kwargs)
 
 
-def kda_spec_decode_slots(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-    num_accepted_tokens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-) -> torch.Tensor:
-    """Speculative decode steps on a state pool ``[N, H, dk, dv]`` float32, in place. ``query_start_loc [R+1]``
-    splits the N tokens into R requests (1 + drafts each); ``slots [R, 1 + num_spec]`` holds each request's slot
-    per draft position; ``num_accepted_tokens [R]`` how many tokens of the previous step were accepted. A
-    request starts from the state in slot column ``num_accepted_tokens - 1`` and stores the state after its
-    token i in column i, so the next step resumes from whichever draft is accepted. Returns o ``[N, H, dv]``."""
-    if not _pool_ok(pool):
-        raise ValueError("kda_spec_decode_slots needs a float32 pool whose [H, dk, dv] states are contiguous")
-    return _recurrent_on_pool(q, k, v, g, beta, pool, slots, num_accepted_tokens, query_start_loc)
+def _speculative_check(*args, **kwargs) -> str | None:
+    plan = args[6] if len(args) > 6 else kwargs["plan"]
+    if plan.state_out.shape[1] == 1:
+        return "no draft columns in the plan"
+    if plan.num_tokens != plan.num_reqs * plan.state_out.shape[1]:
+        return "needs every request to verify the full number of drafts"
+    return _pool_check(*args, **kwargs)
 
 
-def kda_decode_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> torch.Tensor:
-    """One token for each of B sequences; ``state [B, H, dk, dv]`` float32 updated IN PLACE (see the oracle).
-    Returns o ``[B, H, dv]`` float32."""
-    return kda_decode_step_slots(q, k, v, g, beta, state, torch.arange(q.shape[0], device=q.device))
+@kda_varlen.register("fla_recurrent", _decode_check)
+def _kda_decode(q, k, v, g, beta, pool, plan, chunk_size=64):
+    """Plain decode: fla's fused recurrent kernel on the pool in place, one token per request."""
+    _zero_fresh(pool, plan)
+    n = plan.num_reqs
+    o = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    o[:n] = _recurrent_on_pool(q[:n], k[:n], v[:n], g[:n], beta[:n], pool, plan.state_out[:, 0], None,
+                               torch.arange(n + 1, device=q.device))
+    return o
+
+
+@kda_varlen.register("fla_speculative", _speculative_check)
+def _kda_speculative(q, k, v, g, beta, pool, plan, chunk_size=64):
+    """Every request verifies drafts: fla's speculative mode on the pool. Its rule (start from draft column
+    ``num_accepted - 1``, store after token i into column i) is the plan's when the start slot is copied into
+    column 0 first and every request starts there."""
+    pool[plan.state_out[:, 0]] = pool[plan.state_in]
+    ones = torch.ones(plan.num_reqs, dtype=torch.int64, device=q.device)
+    return _recurrent_on_pool(q, k, v, g, beta, pool, plan.state_out, ones, plan.cu_seqlens)
+
+
+@kda_varlen.register("fla")
+def kda_varlen_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   pool: torch.Tensor, plan: StateSlots, chunk_size: int = 64) -> torch.Tensor:
+    """The delta rule for a whole batch over the state pool (the oracle's contract): request by request through
+    fla's chunked kernel."""
+    return delta_rule_per_request(kda_chunked, q, k, v, g, beta, pool, plan, chunk_size)

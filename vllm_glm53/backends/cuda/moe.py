@@ -1,10 +1,12 @@
 """Routed experts on GPUs: the CPU backend's plain-torch form (:mod:`vllm_glm53.backends.cpu.moe`), one GEMM pair
-per expert that received tokens. On GPUs the plugin's quantized expert stacks run vLLM's fused MoE
-(:mod:`vllm_glm53.quant.experts`); this is the path of unquantized (or dequantized-at-load) experts only.
+per expert that received tokens, and its device-agnostic helpers. On GPUs the plugin's quantized expert stacks
+run vLLM's fused MoE (:mod:`vllm_glm53.quant.experts`); this is the path of unquantized (or dequantized-at-load)
+experts only.
 """
 
 from __future__ import annotations
 
+from vllm_glm53.backends.cpu.moe import clamped_swiglu, group_by_expert
 from vllm_glm53.backends.cpu.moe import routed_experts_torch as routed_experts
 
-__all__ = ["routed_experts"]
+__all__ = ["clamped_swiglu", "group_by_expert", "routed_experts"]

@@ -23,14 +23,14 @@ plan rejects the FP8 view, and FlashMLA's FP8 layout assumes a 64-wide RoPE part
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from vllm_glm53.backends.cpu.paged import as_index
 from vllm_glm53.backends.cpu.sparse_mla import absorb_q, apply_uv, split_kv_b
+from vllm_glm53.backends.dispatch import Op
+from vllm_glm53.backends.plans import LatentCachePlan
 
 __all__ = ["split_kv_b", "absorb_q", "apply_uv", "sparse_latent_attention", "sparse_latent_attention_paged"]
 
@@ -180,20 +180,37 @@ def _flashmla_sparse_attention(fwd, q_lat: torch.Tensor, latent: torch.Tensor, i
     return out[:, :H].to(q_lat.dtype)
 
 
-def _flashmla_fwd(q_lat: torch.Tensor, latent: torch.Tensor):
-    """FlashMLA's sparse forward if it applies to this call, else None."""
+sparse_latent_attention = Op("sparse_latent_attention")
+sparse_latent_attention_paged = Op("sparse_latent_attention_paged")
+
+
+def _flashmla_check(q_lat, latent, indices, scale, max_chunk_elems=1 << 24, num_splits=None) -> str | None:
     from vllm_glm53 import envs
 
     if envs.VLLM_GLM53_SPARSE_MLA == "triton":
-        return None
-    if not q_lat.is_cuda or q_lat.dtype != torch.bfloat16 or q_lat.shape[-1] != 512 or latent.shape[-1] != 512:
-        return None
+        return "VLLM_GLM53_SPARSE_MLA=triton"
+    if num_splits is not None:
+        return "an explicit num_splits is a Triton setting"
+    if not q_lat.is_cuda:
+        return f"needs CUDA tensors, got {q_lat.device.type}"
+    if q_lat.dtype != torch.bfloat16:
+        return f"needs bfloat16, got {q_lat.dtype}"
+    if q_lat.shape[-1] != 512 or latent.shape[-1] != 512:
+        return f"needs a 512-wide latent, got {latent.shape[-1]}"
     from vllm_glm53 import _vllm
 
-    return _vllm.flashmla_sparse_fwd()
+    return None if _vllm.flashmla_sparse_fwd() is not None else "this vLLM ships no FlashMLA sparse kernel"
 
 
-def sparse_latent_attention(
+@sparse_latent_attention.register("flashmla", _flashmla_check)
+def _sparse_latent_attention_flashmla(q_lat, latent, indices, scale, max_chunk_elems=1 << 24, num_splits=None):
+    from vllm_glm53 import _vllm
+
+    return _flashmla_sparse_attention(_vllm.flashmla_sparse_fwd(), q_lat, latent, indices, scale)
+
+
+@sparse_latent_attention.register("triton")
+def sparse_latent_attention_triton(
     q_lat: torch.Tensor,
     latent: torch.Tensor,
     indices: torch.Tensor,
@@ -209,32 +226,29 @@ def sparse_latent_attention(
     has no meaning here: nothing is materialised per query; ``num_splits`` overrides the split of each index row
     across programs (default: chosen from the batch size).
     """
-    fwd = _flashmla_fwd(q_lat, latent)
-    if fwd is not None and num_splits is None:
-        return _flashmla_sparse_attention(fwd, q_lat, latent, indices, scale)
     return _triton_sparse_attention(q_lat, latent, indices, scale, num_splits)
 
 
+@sparse_latent_attention_paged.register("triton")
 def sparse_latent_attention_paged(
     q_lat: torch.Tensor,
     rows: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: Sequence[int] | torch.Tensor,
-    seq_lens: Sequence[int] | torch.Tensor,
+    plan: LatentCachePlan,
     indices: torch.Tensor,
     scale: float,
     latent_dim: int,
 ) -> torch.Tensor:
     """:func:`sparse_latent_attention` for a whole batch, reading the selected rows straight from the paged
-    cache (the oracle's contract): q_lat ``[T, H, L]`` with request r's queries at
-    ``query_start_loc[r]:query_start_loc[r+1]``; rows ``[num_blocks, block_size, R]`` pages whose first
-    ``latent_dim`` values per row are the latent; block_table ``[num_reqs, max_blocks]``; indices ``[T, N]``
-    positions within each query's request (-1 unused). One launch for the batch; nothing is gathered."""
+    cache (the oracle's contract): q_lat ``[T, H, L]`` with the plan's request r's queries at
+    ``cu_seqlens[r]:cu_seqlens[r+1]``; rows ``[num_blocks, block_size, R]`` pages whose first ``latent_dim``
+    values per row are the latent, found through the plan's block table; indices ``[T, N]`` positions within
+    each query's request (-1 unused). One launch for the batch; nothing is gathered or read back."""
     if rows.stride(-1) != 1:
         raise ValueError("sparse_latent_attention_paged needs cache rows with contiguous values")
-    starts = as_index(query_start_loc)
-    req = torch.repeat_interleave(torch.arange(len(starts) - 1), starts[1:] - starts[:-1]).to(q_lat.device)
+    cu = plan.cu_seqlens
+    req = torch.repeat_interleave(torch.arange(plan.num_reqs, device=q_lat.device), cu[1:] - cu[:-1],
+                                  output_size=q_lat.shape[0])
     # The kernel addresses row ``off`` of page ``b`` as base + b * rows.stride(0) + off * rows.stride(1): pass the
     # latent columns of the first page as the base view (its row stride is the pages' row stride).
-    paging = (block_table.contiguous(), req, rows.stride(0), rows.shape[1])
+    paging = (plan.block_table.contiguous(), req, rows.stride(0), rows.shape[1])
     return _triton_sparse_attention(q_lat, rows[0, :, :latent_dim], indices, scale, None, paging)
