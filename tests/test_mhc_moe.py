@@ -12,7 +12,7 @@ from transformers.models.glm5_next import modeling_glm5_next as hf
 
 import hf_ref
 from vllm_glm53.backends.cpu.mhc import mhc_coefficients, mhc_collapse, mhc_expand
-from vllm_glm53.model.mhc import MHCParams
+from vllm_glm53.model.mhc import MHCBlock
 from vllm_glm53.model.moe_routing import clamped_swiglu, route
 
 torch.set_num_threads(2)
@@ -33,8 +33,8 @@ def _streams(cfg, T, seed, scale=1.0):
     return scale * torch.randn(T, cfg.hc_mult, cfg.hidden_size, generator=gen)
 
 
-def _mhc_params(cfg, hc) -> MHCParams:
-    p = MHCParams(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
+def _mhc_block(cfg, hc) -> MHCBlock:
+    p = MHCBlock(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
     p.load_state_dict({"fn": hc.fn, "base": hc.base, "scale": hc.scale})
     return p
 
@@ -49,7 +49,7 @@ def test_mhc_coefficients_and_collapse_match_hf(model, cfg):
     X = _streams(cfg, 7, 1)
     with torch.no_grad():
         post_ref, comb_ref, u_ref = hc(X.unsqueeze(0))
-    u, post, comb = _mhc_params(cfg, hc).pre(X)
+    u, post, comb = _mhc_block(cfg, hc).pre(X)
     torch.testing.assert_close(post, post_ref[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(comb, comb_ref[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(u, u_ref[0], rtol=0, atol=1e-5)
@@ -100,7 +100,7 @@ def test_mhc_collapse_and_expand_match_loops(cfg):
 def test_mhc_bf16_streams_keep_fp32_coefficients(model, cfg):
     hc = hf_ref.layer(model, 1).attn_hc
     X = _streams(cfg, 4, 4).bfloat16()
-    p = _mhc_params(cfg, hc)
+    p = _mhc_block(cfg, hc)
     u, post, comb = p.pre(X)
     assert u.dtype == torch.bfloat16 and post.dtype == comb.dtype == torch.float32
     assert p.fn.dtype == torch.float32
@@ -184,7 +184,7 @@ def test_moe_block_matches_hf(model, cfg):
 
 def _decoder_from_ops(cfg, dec, X, sublayer):
     with torch.no_grad():
-        attn_hc, ffn_hc = _mhc_params(cfg, dec.attn_hc), _mhc_params(cfg, dec.ffn_hc)
+        attn_hc, ffn_hc = _mhc_block(cfg, dec.attn_hc), _mhc_block(cfg, dec.ffn_hc)
         u, post, comb = attn_hc.pre(X)
         X = attn_hc.post(X, sublayer(dec.input_layernorm(u)), post, comb)
         u, post, comb = ffn_hc.pre(X)

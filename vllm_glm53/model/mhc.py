@@ -27,12 +27,13 @@ from torch import nn
 
 from vllm_glm53.backends import mhc_ops
 
-__all__ = ["MHCParams"]
+__all__ = ["MHCBlock"]
 
 
-class MHCParams(nn.Module):
-    """The three float32 tensors of one mHC block (checkpoint ``hc_attn_{fn,base,scale}`` or
-    ``hc_ffn_{fn,base,scale}``) and the two halves of the block around a sublayer."""
+class MHCBlock(nn.Module):
+    """One mHC block around a sublayer: its three float32 tensors (checkpoint ``hc_attn_{fn,base,scale}`` or
+    ``hc_ffn_{fn,base,scale}``) and the two halves, :meth:`pre` (coefficients and collapse, before the
+    sublayer) and :meth:`post` (expand and mix, after it)."""
 
     def __init__(
         self, hidden_size: int, hc_mult: int, hc_eps: float, sinkhorn_iters: int, norm_eps: float

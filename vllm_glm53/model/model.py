@@ -29,7 +29,7 @@ from vllm_glm53._vllm import (
 )
 from vllm_glm53.config import TextArch, text_arch
 from vllm_glm53.model.kda import Glm5NextKDA, kda_state_dtypes, kda_state_shapes
-from vllm_glm53.model.mhc import MHCParams
+from vllm_glm53.model.mhc import MHCBlock
 from vllm_glm53.model.mla import Glm5NextSparseMLA
 from vllm_glm53.model.moe import Glm5NextMLP, Glm5NextMoE
 from vllm_glm53.model.multimodal import (
@@ -53,8 +53,8 @@ class Glm5NextDecoderLayer(nn.Module):
         D, eps = arch.hidden_size, arch.rms_norm_eps
         hc = dict(hidden_size=D, hc_mult=arch.hc_mult, hc_eps=arch.hc_eps, sinkhorn_iters=arch.hc_sinkhorn_iters,
                   norm_eps=eps)
-        self.attn_hc = MHCParams(**hc)
-        self.ffn_hc = MHCParams(**hc)
+        self.attn_hc = MHCBlock(**hc)
+        self.ffn_hc = MHCBlock(**hc)
         self.input_layernorm = RMSNorm(D, eps)
         self.post_attention_layernorm = RMSNorm(D, eps)
         if self.is_kda:

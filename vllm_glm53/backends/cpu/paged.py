@@ -1,9 +1,7 @@
-"""Reading vLLM's paged cache from plain torch: the batch forms of the indexer and sparse-MLA ops take the
-cache pages, a block table and per-request lengths, the layout the compiled kernels read in place."""
+"""Reading vLLM's paged cache from plain torch: the reference forms of the batch indexer and sparse-MLA ops gather
+a request's rows from the cache pages through its block-table row (the compiled kernels read them in place)."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
@@ -14,10 +12,3 @@ def sequence_rows(rows: torch.Tensor, block_ids: torch.Tensor, length: int) -> t
     block_size = rows.shape[1]
     n_blocks = (length + block_size - 1) // block_size
     return rows[block_ids[:n_blocks].to(torch.int64)].reshape(n_blocks * block_size, rows.shape[2])[:length]
-
-
-def as_index(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """Offsets or lengths (a list from the attention metadata, or a tensor) as an int64 CPU tensor."""
-    if isinstance(values, torch.Tensor):
-        return values.to(device="cpu", dtype=torch.int64)
-    return torch.tensor(list(values), dtype=torch.int64)

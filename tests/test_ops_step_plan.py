@@ -1,0 +1,185 @@
+"""The step plans and the layers that read them: the KDA plan built from vLLM's GDN metadata in each batch shape
+vLLM produces (plain, all speculative, mixed), and a decode step through the real KDA and sparse-MLA layers
+(projections + their registered custom op, compiled ops) that reads nothing back from its tensors and walks no
+request list: every ``tolist``/``item``/``int()``/``bool()``/``.cpu()``/``.numpy()`` on a tensor, and the plan's
+own per-request walk, raise inside it."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hf_ref
+from vllm_glm53 import _vllm
+from vllm_glm53.backends.cpu import kernels
+from vllm_glm53.backends.kda_state import step_plan
+from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
+
+torch.set_num_threads(2)
+
+
+def _t(values, dtype=torch.int64):
+    return torch.tensor(values, dtype=dtype)
+
+
+def _common(query_lens):
+    cu = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    return SimpleNamespace(num_reqs=len(query_lens), num_actual_tokens=int(cu[-1]), max_query_len=max(query_lens),
+                           query_start_loc=cu)
+
+
+def _assert_plan(plan, cu, state_in, state_out, state_out_at):
+    assert plan.cu_seqlens.tolist() == cu
+    assert plan.state_in.tolist() == state_in
+    assert plan.state_out.tolist() == state_out
+    assert plan.state_out_at.tolist() == state_out_at
+    assert plan.num_reqs == len(state_in) and plan.num_tokens == cu[-1]
+
+
+def test_plan_of_decodes_and_prefills():
+    """Two decodes, a prefill chunk continuing its request, a fresh prompt: start slot or zeros, one store
+    after the last token into the request's own slot."""
+    common = _common([1, 1, 6, 3])
+    meta = SimpleNamespace(num_spec_decodes=0, has_initial_state=_t([True, True, True, False], torch.bool),
+                           non_spec_query_start_loc=common.query_start_loc,
+                           non_spec_state_indices_tensor=_t([7, 2, 5, 9], torch.int32))
+    _assert_plan(step_plan(meta, common), [0, 1, 2, 8, 11], [7, 2, 5, -1], [[7], [2], [5], [9]],
+                 [[0], [0], [5], [2]])
+    meta.has_initial_state = None  # a decode-only step: vLLM gives no flags, every request has its state
+    common = _common([1, 1])
+    meta.non_spec_query_start_loc = common.query_start_loc
+    _assert_plan(step_plan(meta, common), [0, 1, 2], [7, 2], [[7], [2]], [[0], [0]])
+
+
+def test_plan_of_speculative_verification():
+    """Every request verifies drafts: start from the slot of the last accepted draft, store after token i into
+    draft column i; a request with fewer drafts stores fewer states."""
+    common = _common([3, 2])
+    meta = SimpleNamespace(num_spec_decodes=2, num_prefills=0, num_decodes=0,
+                           spec_query_start_loc=common.query_start_loc,
+                           spec_state_indices_tensor=_t([[4, 5, 6], [1, 2, 3]], torch.int32),
+                           num_accepted_tokens=_t([3, 1], torch.int32))
+    _assert_plan(step_plan(meta, common), [0, 3, 5], [6, 1], [[4, 5, 6], [1, 2, 3]], [[0, 1, 2], [0, 1, -1]])
+
+
+def test_plan_of_a_mixed_step_puts_rows_back_in_batch_order():
+    """vLLM hands drafts and plain requests over separately; the plan has them where the batch has them."""
+    common = _common([4, 2, 3])  # a prefill chunk, a draft verification, a fresh prompt
+    mask = _t([False, True, False], torch.bool)
+    meta = SimpleNamespace(num_spec_decodes=1, num_prefills=2, num_decodes=0, spec_sequence_masks=mask,
+                           spec_query_start_loc=_t([0, 2], torch.int32),
+                           spec_state_indices_tensor=_t([[4, 5, 6]], torch.int32),
+                           num_accepted_tokens=_t([2], torch.int32),
+                           non_spec_query_start_loc=_t([0, 4, 7], torch.int32),
+                           non_spec_state_indices_tensor=_t([8, 9], torch.int32),
+                           has_initial_state=_t([True, False], torch.bool))
+    _assert_plan(step_plan(meta, common), [0, 4, 6, 9], [8, 5, -1], [[8, -1, -1], [4, 5, 6], [9, -1, -1]],
+                 [[3, -1, -1], [0, 1, -1], [2, -1, -1]])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A decode step through the real layers reads nothing back
+# --------------------------------------------------------------------------------------------------------------
+
+
+class HostRead(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Every way the forward could read a tensor's value into Python raises, and so does the plan's per-request
+    walk (the reference forms' loop)."""
+    def refuse(name):
+        def method(*args, **kwargs):
+            raise HostRead(f"Tensor.{name} in the decode step")
+        return method
+
+    names = ["tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"]
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+    saved_rows = StateSlots.rows
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, refuse(name))
+        StateSlots.rows = refuse("StateSlots.rows")
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+        StateSlots.rows = saved_rows
+
+
+@pytest.fixture(scope="module")
+def layers():
+    from transformers import Glm5NextConfig
+
+    from vllm_glm53.config import text_arch
+    from vllm_glm53.model.kda import Glm5NextKDA
+    from vllm_glm53.model.mla import Glm5NextSparseMLA
+
+    if kernels.ops() is None:
+        pytest.fail(f"the compiled kernels are the decode path under test and are not loaded: "
+                    f"{kernels.description()}")
+    arch = text_arch(Glm5NextConfig(**hf_ref.tiny_config_dict()))
+    kda_idx = next(i for i in range(arch.num_layers) if arch.is_kda(i))
+    mla_idx = next(i for i in range(arch.num_layers) if not arch.is_kda(i))
+    gen = torch.Generator().manual_seed(0)
+    with _vllm.standalone_model_parallel() as ctx:
+        kda = Glm5NextKDA(arch, kda_idx, torch.float32, prefix=f"model.layers.{kda_idx}.self_attn")
+        mla = Glm5NextSparseMLA(arch, mla_idx, True, torch.float32, prefix=f"model.layers.{mla_idx}.self_attn")
+        for layer in (kda, mla):
+            for p in layer.parameters():
+                p.data.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            _vllm.finish_loading(layer)
+        mla.process_weights_after_loading()
+        yield arch, kda, mla, ctx
+
+
+def test_decode_step_reads_nothing_back(layers):
+    from vllm.config import get_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    arch, kda, mla, _ = layers
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = [5, 40, 90]  # 40 and 90 are far beyond index_topk: the indexer really selects
+    B, block_size = len(seq_lens), 16
+    blocks = [-(-n // block_size) for n in seq_lens]
+    table = torch.arange(sum(blocks), dtype=torch.int32).flip(0)  # pages out of order
+    block_table = torch.zeros(B, max(blocks), dtype=torch.int32)
+    used = 0
+    for r, nb in enumerate(blocks):
+        block_table[r, :nb] = table[used : used + nb]
+        used += nb
+    rows = torch.randn(sum(blocks), block_size, arch.cache_row_size, generator=gen)
+    last = torch.tensor(seq_lens) - 1
+    slot_mapping = block_table[torch.arange(B), last // block_size].long() * block_size + last % block_size
+    cu = torch.arange(B + 1)
+    latent_plan = LatentCachePlan(cu, torch.tensor(seq_lens), last, block_table, slot_mapping, B, B, 1,
+                                  max(seq_lens))
+    conv_shape, state_shape = kda.get_state_shape()
+    conv_pool = 0.1 * torch.randn(6, *conv_shape, generator=gen)
+    state_pool = 0.1 * torch.randn(6, *state_shape, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    kda_plan = StateSlots.single_slot(cu, slots, torch.ones(B, dtype=torch.bool), B, 1)
+    kda.kv_cache, mla.kv_cache = (conv_pool, state_pool), rows
+    before = conv_pool.clone(), state_pool.clone(), rows.clone()
+    x = torch.randn(B, arch.hidden_size, generator=gen)
+    metadata = {kda.prefix: SimpleNamespace(plan=kda_plan), mla.prefix: latent_plan}
+    with set_forward_context(metadata, get_current_vllm_config()), no_host_reads(), torch.no_grad():
+        y_kda = kda(x)
+        y_mla, selection = mla(x)
+    with pytest.raises(HostRead):  # the guard is live where the step ran
+        with no_host_reads():
+            torch.ones(1).tolist()
+    # The step really ran on the caches: the three requests' states and latest rows changed, nothing else.
+    for pool, old in zip((conv_pool, state_pool), before[:2]):
+        changed = [s for s in range(pool.shape[0]) if not torch.equal(pool[s], old[s])]
+        assert changed == sorted(slots.tolist())
+    flat_new, flat_old = rows.view(-1, rows.shape[-1]), before[2].view(-1, rows.shape[-1])
+    changed_rows = (flat_new != flat_old).any(-1).nonzero().squeeze(1).tolist()
+    assert changed_rows == sorted(slot_mapping.tolist())
+    assert torch.isfinite(y_kda).all() and torch.isfinite(y_mla).all()
+    assert ((selection >= 0).sum(1) < torch.tensor(seq_lens)).tolist() == [False, True, True]
