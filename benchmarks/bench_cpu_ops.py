@@ -14,7 +14,7 @@ selects freshly drawn rows. A row reports the median of ``--repeat`` calls after
 
 Columns:
 * ``torch``: plain torch doing the op's work the way a torch implementation would, called as model/ calls the
-  ops: ``kda_decode_step_slots`` and ``select_batch`` on their torch path (``VLLM_GLM53_CPU_KERNELS=0``), which
+  ops: ``kda_varlen`` and ``select_batch`` on their ``torch`` implementation (``VLLM_GLM53_CPU_KERNELS=0``), which
   gather what they need by slot / block table, compute and scatter back; for sparse MLA a gather of exactly the
   selected rows through the block table (:func:`sparse_mla_gather_torch`; the backend's torch path copies whole
   sequences first, which would flatter the kernel) and two batched matmuls;
@@ -53,6 +53,7 @@ import torch
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import kda, kernels, mhc, moe
 from vllm_glm53.backends.cpu import sparse_mla as mla
+from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
 
 WORKING_SET = 512 << 20  # bytes of the bandwidth probes: many times a 32 MiB L3
 COPY_BUDGET = 1 << 30  # bytes of data copies per benchmark row
@@ -134,17 +135,20 @@ def bench_kda_decode(H: int, d: int, batches: list[int], bw: float, repeat: int,
         v, beta = torch.randn(B, H, d), torch.rand(B, H)
         g = kda.kda_gate(torch.randn(B, H, d), torch.zeros(H), -5.0)
 
-        def slots(i):
-            return torch.arange(B) + (i % n_copies) * B
+        def plan(i):  # a decode step of B sequences on copy i of the states
+            slots = torch.arange(B) + (i % n_copies) * B
+            return StateSlots.single_slot(torch.arange(B + 1), slots, torch.ones(B, dtype=torch.bool), B, 1)
+
+        def step(impl):
+            return lambda i: kda.kda_varlen.implementation(impl)(q, k, v, g, beta, pool, plan(i))
 
         t_comp = None
         if ops is not None:
-            ref_pool = pool[slots(0)].clone()
-            want = kda.kda_decode_step_torch(q, k, v, g, beta, ref_pool)
-            check(kda.kda_decode_step_slots(q, k, v, g, beta, pool, slots(0)), want, "KDA decode")
-            t_comp = median_time(lambda i: kda.kda_decode_step_slots(q, k, v, g, beta, pool, slots(i)), repeat)
-        t_torch = median_time(lambda i: kda.kda_decode_step_slots_torch(q, k, v, g, beta, pool, slots(i)), repeat,
-                              first=repeat + 1)
+            ref_pool = pool.clone()
+            want = kda.kda_varlen.implementation("torch")(q, k, v, g, beta, ref_pool, plan(0))
+            check(step("compiled")(0), want, "KDA decode")
+            t_comp = median_time(step("compiled"), repeat)
+        t_torch = median_time(step("torch"), repeat, first=repeat + 1)
         floor = (2 * B * slot_bytes + B * H * (3 * d + 2 * d + 1) * 4) / bw  # states in place; q k g v in, o out
         out.append(row(B, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor),
                        f"{t_comp / floor:.2f}" if t_comp else "—", f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
@@ -163,8 +167,13 @@ def bench_kda_prefill(H: int, d: int, lengths: list[int], repeat: int, ops) -> l
         q, k = kda.l2norm_qk(torch.randn(T, H, d), torch.randn(T, H, d), d)
         v, beta = torch.randn(T, H, d), torch.rand(T, H)
         g = kda.kda_gate(torch.randn(T, H, d), torch.zeros(H), -5.0)
-        t_torch = median_time(lambda i: kda.kda_chunked_torch(q, k, v, g, beta), max(3, repeat // 2))
-        t_comp = median_time(lambda i: ops.kda_prefill(q, k, v, g, beta, None), repeat) if ops else None
+        fresh = StateSlots.single_slot(torch.tensor([0, T]), torch.tensor([0]), torch.tensor([False]), T, T)
+        pool = torch.zeros(1, H, d, d)
+        t_torch = median_time(lambda i: kda.kda_chunked(q, k, v, g, beta), max(3, repeat // 2))
+        t_comp = None
+        if ops:
+            compiled = kda.kda_varlen.implementation("compiled")
+            t_comp = median_time(lambda i: compiled(q, k, v, g, beta, pool, fresh), repeat)
         out.append(row(T, fmt_us(t_torch), fmt_us(t_comp), f"{T / t_comp:,.0f}" if t_comp else "—",
                        f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
     return out
@@ -199,6 +208,12 @@ class PagedCache:
 
     def table(self, i: int) -> torch.Tensor:
         return self.tables[i % self.copies]
+
+    def plan(self, i: int) -> LatentCachePlan:
+        """A decode step of the batch on copy ``i % copies`` of the pages."""
+        cu, seq = torch.tensor(self.starts), torch.tensor(self.seq_lens)
+        return LatentCachePlan(cu, seq, seq - 1, self.table(i), torch.zeros(self.B, dtype=torch.int64), self.B,
+                               self.B, 1, self.S)
 
     def indices(self, gen) -> torch.Tensor:
         """Distinct random positions per query, as many as the indexer would select."""
@@ -246,8 +261,8 @@ def bench_sparse_mla(H: int, B: int, contexts: list[int], bw: float, repeat: int
             return sparse_mla_gather_torch(q, cache.pages, cache.table(i), idx[i], scale, L)
 
         def compiled_call(i):
-            return mla.sparse_latent_attention_paged(q, cache.pages, cache.table(i), cache.starts, cache.seq_lens,
-                                                     idx[i], scale, L)
+            return mla.sparse_latent_attention_paged.implementation("compiled")(q, cache.pages, cache.plan(i), idx[i],
+                                                                                scale, L)
 
         t_comp = None
         if ops is not None:
@@ -279,17 +294,17 @@ def bench_indexer(B: int, contexts: list[int], bw: float, repeat: int, ops) -> l
         ape = torch.randn(c.kp, c.dI)
         n_pooled = S // c.kp * c.kp
 
-        def select(fn):
-            return lambda i: fn(q, w, cache.pages, cache.table(i), cache.starts, cache.seq_lens, ape, c.L, c.topk,
-                                c.kp)
+        def select(impl):
+            fn = ix.select_batch.implementation(impl)
+            return lambda i: fn(q, w, cache.pages, cache.plan(i), ape, c.L, c.topk, c.kp)
 
         t_comp = None
         if ops is not None:
-            got, want = select(ix.select_batch)(0), select(ix.select_batch_torch)(0)
+            got, want = select("compiled")(0), select("torch")(0)
             if not torch.equal(got, want):
                 raise SystemExit(f"indexer, context {S}: compiled and torch selections differ")
-            t_comp = median_time(select(ix.select_batch), repeat)
-        t_torch = median_time(select(ix.select_batch_torch), repeat, first=repeat + 1)
+            t_comp = median_time(select("compiled"), repeat)
+        t_torch = median_time(select("torch"), repeat, first=repeat + 1)
         floor = B * n_pooled * 2 * c.dI * 4 / bw
         out.append(row(S, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor), f"{t_comp / floor:.2f}" if t_comp else "—",
                        f"{t_torch / t_comp:.1f}x" if t_comp else "—"))

@@ -65,6 +65,7 @@ def main() -> int:
     from vllm_glm53.backends.cuda import indexer as ix_gpu
     from vllm_glm53.backends.cuda import kda as kda_gpu
     from vllm_glm53.backends.cuda import sparse_mla as mla_gpu
+    from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
 
     dev = torch.device("cuda")
     dt = getattr(torch, args.dtype)
@@ -93,8 +94,11 @@ def main() -> int:
     bench("kda conv prefill", f"T={T} C={C}", lambda: kda_gpu.causal_conv1d(x, w, st),
           lambda: kda_ref.causal_conv1d(x, w, st), 2 * T * C * esz + C * 4 * f32)
     xb, stb = x[:64], torch.randn(64, C, 3, device=dev, dtype=dt)
-    bench("kda conv decode", f"B=64 C={C}", lambda: kda_gpu.causal_conv1d_update(xb, w, stb),
-          lambda: kda_ref.causal_conv1d_update(xb, w, stb), 2 * 64 * C * esz + 2 * 64 * C * 3 * esz)
+    decode64 = StateSlots.single_slot(torch.arange(65, device=dev), torch.arange(64, device=dev),
+                                      torch.ones(64, dtype=torch.bool, device=dev), 64, 1)
+    bench("kda conv decode", f"B=64 C={C}", lambda: kda_gpu.causal_conv1d_varlen(xb, w, stb, decode64),
+          lambda: kda_ref.causal_conv1d_varlen.implementation("torch")(xb, w, stb, decode64),
+          2 * 64 * C * esz + 2 * 64 * C * 3 * esz)
     a, A_log = torch.randn(T, H, d, device=dev), torch.randn(H, device=dev)
     bench("kda gate", f"T={T} H={H} d={d}", lambda: kda_gpu.kda_gate(a, A_log, -5.0),
           lambda: kda_ref.kda_gate(a, A_log, -5.0), 2 * T * H * d * f32)
@@ -113,14 +117,11 @@ def main() -> int:
     B = 64
     pool = torch.randn(2 * B, H, d, d, device=dev) * 0.1
     slots = torch.randperm(2 * B, device=dev)[:B]
-
-    def naive_decode():
-        s = pool[slots]
-        kda_ref.kda_decode_step(q[:B], k[:B], v[:B], g[:B], beta[:B], s)
-        pool[slots] = s
-
+    plan = StateSlots.single_slot(torch.arange(B + 1, device=dev), slots, torch.ones(B, dtype=torch.bool, device=dev),
+                                  B, 1)
     bench("kda decode (slot pool)", f"B={B} H={H} d={d}",
-          lambda: kda_gpu.kda_decode_step_slots(q[:B], k[:B], v[:B], g[:B], beta[:B], pool, slots), naive_decode,
+          lambda: kda_gpu.kda_varlen(q[:B], k[:B], v[:B], g[:B], beta[:B], pool, plan),
+          lambda: kda_ref.kda_varlen.implementation("torch")(q[:B], k[:B], v[:B], g[:B], beta[:B], pool, plan),
           2 * B * H * d * d * f32 + 5 * B * H * d * f32)
 
     # --- indexer and sparse MLA, per context ----------------------------------------------------------------
@@ -156,16 +157,17 @@ def main() -> int:
                 table = torch.stack([torch.randperm(ctx // bs, device=dev) for _ in range(R)])
                 qb = torch.randn(R, H_MLA, LAT, device=dev, dtype=dt) * 0.05
                 ib = indices.expand(R, -1).contiguous()
-                qsl, lens = list(range(R + 1)), [ctx] * R
+                lens = torch.full((R,), ctx, device=dev)
+                plan = LatentCachePlan(torch.arange(R + 1, device=dev), lens, lens - 1, table,
+                                       torch.zeros(R, dtype=torch.int64, device=dev), R, R, 1, ctx)
                 bench("sparse MLA paged decode", f"ctx={ctx} reqs={R} N={width}",
-                      lambda: mla_gpu.sparse_latent_attention_paged(qb, pages, table, qsl, lens, ib, 0.0625, LAT),
-                      lambda: mla_ref.sparse_latent_attention_paged(qb, pages, table, qsl, lens, ib, 0.0625, LAT),
+                      lambda: mla_gpu.sparse_latent_attention_paged(qb, pages, plan, ib, 0.0625, LAT),
+                      lambda: mla_ref.sparse_latent_attention_paged(qb, pages, plan, ib, 0.0625, LAT),
                       R * mla_bytes)
-            fwd = mla_gpu._flashmla_fwd(q_lat, latent)
-            if fwd is not None:
+            flashmla = mla_gpu.sparse_latent_attention.implementation("flashmla")
+            if mla_gpu._flashmla_check(q_lat, latent, indices, 0.0625) is None:
                 bench(f"sparse MLA {kind} (FlashMLA)", f"ctx={ctx} Tq={Tq} N={width}",
-                      lambda: mla_gpu._flashmla_sparse_attention(fwd, q_lat, latent, indices, 0.0625), None,
-                      mla_bytes)
+                      lambda: flashmla(q_lat, latent, indices, 0.0625), None, mla_bytes)
     return 0
 
 

@@ -107,6 +107,7 @@ def stage_real_shapes(device: torch.device, small: bool) -> None:
     from vllm_glm53.backends.cpu import indexer as ix_ref
     from vllm_glm53.backends.cpu import kda as kda_ref
     from vllm_glm53.backends.cpu import sparse_mla as mla_ref
+    from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
 
     # Real: 64 KDA heads x 128, 64 MLA heads, latent 512, indexer 32 x 128, topk 2048, kp 4, context 32K.
     # small (rehearsal under the interpreter): the same code at shapes a CPU can interpret.
@@ -159,11 +160,11 @@ def stage_real_shapes(device: torch.device, small: bool) -> None:
             q, k, v, decay, beta = kda_inputs(B)
             pool = rnd(2 * B, Hk, dk, dk, scale=0.1)
             slots = torch.randperm(2 * B, generator=g)[:B].to(device)
+            plan = StateSlots.single_slot(torch.arange(B + 1, device=device), slots,
+                                          torch.ones(B, dtype=torch.bool, device=device), B, 1)
             want = pool.clone()
-            gathered = want[slots]
-            o_ref = kda_ref.kda_decode_step(q, k, v, decay, beta, gathered)
-            want[slots] = gathered
-            o = kda_gpu.kda_decode_step_slots(q, k, v, decay, beta, pool, slots)
+            o_ref = kda_ref.kda_varlen.implementation("torch")(q, k, v, decay, beta, want, plan)
+            o = kda_gpu.kda_varlen.implementation("fla_recurrent")(q, k, v, decay, beta, pool, plan)
             return ", ".join([assert_close(o, o_ref, kda_tol, "out"), assert_close(pool, want, kda_tol, "pool")])
 
         def kda_spec_decode():
@@ -172,17 +173,10 @@ def stage_real_shapes(device: torch.device, small: bool) -> None:
             pool = rnd(R * S + 4, Hk, dk, dk, scale=0.1)
             slots = torch.randperm(R * S + 4, generator=g)[: R * S].view(R, S).to(device)
             accepted = torch.randint(1, S + 1, (R,), generator=g).to(device)
-            qsl = torch.arange(0, R * S + 1, S, device=device)
+            plan = StateSlots.speculative(torch.arange(0, R * S + 1, S, device=device), slots, accepted, R * S, S)
             want = pool.clone()
-            o_ref = torch.empty(R * S, Hk, dk, device=device)
-            for r in range(R):
-                state = want[slots[r, accepted[r] - 1]].clone().unsqueeze(0)
-                for i in range(S):
-                    t = r * S + i
-                    o_ref[t] = kda_ref.kda_decode_step(q[t:t+1], k[t:t+1], v[t:t+1], decay[t:t+1], beta[t:t+1],
-                                                       state)[0]
-                    want[slots[r, i]] = state[0]
-            o = kda_gpu.kda_spec_decode_slots(q, k, v, decay, beta, pool, slots, accepted, qsl)
+            o_ref = kda_ref.kda_varlen.implementation("torch")(q, k, v, decay, beta, want, plan)
+            o = kda_gpu.kda_varlen.implementation("fla_speculative")(q, k, v, decay, beta, pool, plan)
             return ", ".join([assert_close(o, o_ref, kda_tol, "out"), assert_close(pool, want, kda_tol, "pool")])
 
         check("real", f"KDA chunked prefill T={T_prefill} H={Hk} d={dk}", kda_prefill)
@@ -291,9 +285,11 @@ def stage_real_shapes(device: torch.device, small: bool) -> None:
             blocks.append(ix_ref.select_tokens(scores, positions, topk, kp))
         indices = torch.cat(blocks)
         q_lat = rnd(R, Hm, L, scale=0.05)
-        qsl, lens = list(range(R + 1)), [ctx] * R
-        want = mla_ref.sparse_latent_attention_paged(q_lat, pages, table, qsl, lens, indices, 256**-0.5, L)
-        got = mla_gpu.sparse_latent_attention_paged(q_lat, pages, table, qsl, lens, indices, 256**-0.5, L)
+        lens = torch.full((R,), ctx, device=device)
+        plan = LatentCachePlan(torch.arange(R + 1, device=device), lens, lens - 1, table,
+                               torch.zeros(R, dtype=torch.int64, device=device), R, R, 1, ctx)
+        want = mla_ref.sparse_latent_attention_paged(q_lat, pages, plan, indices, 256**-0.5, L)
+        got = mla_gpu.sparse_latent_attention_paged(q_lat, pages, plan, indices, 256**-0.5, L)
         return assert_close(got, want, 1e-4, f"{R} requests")
 
     check("real", f"sparse MLA paged decode batch ctx={ctx} fp32", mla_paged)

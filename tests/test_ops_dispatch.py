@@ -111,7 +111,7 @@ def test_first_accepting_implementation_runs_and_declines_are_logged(caplog):
     assert lines == ["vllm-glm53 op test_double: fast",
                      "vllm-glm53 op test_double: reference (fast declined: needs float32, got torch.float64)"]
     assert ("test_double", "reference", ("fast declined: needs float32, got torch.float64",)) in dispatch.decisions()
-    assert op.implementation("reference") is reference and op.backends == ["fast", "reference"]
+    assert op.implementation("reference") is reference and op.implementations == ["fast", "reference"]
     assert op.__doc__ == "The reference."
 
 

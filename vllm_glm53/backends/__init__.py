@@ -1,12 +1,19 @@
-"""Compute backends for the op families of GLM-5.3-Flash (KDA, lightning indexer, sparse MLA, mHC, routed experts),
-one sub-package per platform, each with the same functions and signatures:
+"""The op layer of GLM-5.3-Flash: the op families (KDA, lightning indexer, sparse MLA, mHC, routed experts), the
+step plans they read, and the two attention backends vLLM sees.
 
-  * ``cpu``  — compiled CPU kernels where built, else plain PyTorch (its torch ops run on any device); the
-    plain forms are the numerical reference for the others.
-  * ``cuda`` — GPUs (NVIDIA CUDA and AMD ROCm): KDA through fla-core's Triton kernels, the indexer and sparse
-    MLA through this package's Triton kernels (FlashMLA's sparse kernel where vLLM ships it). Needs ``triton``
-    and, for KDA, ``fla-core`` (the ``cuda`` extra). mHC and the unquantized routed experts use the CPU
-    backend's torch forms there.
+Three words, each with one meaning here:
+
+  * **platform package** — ``cpu`` or ``cuda``: the op families one kind of platform runs, one module per family
+    with the same functions and signatures (tests/test_ops_dispatch.py checks it). ``cpu`` holds the compiled
+    CPU kernels and the plain-torch forms (which run on any device and are the numerical reference); ``cuda``
+    serves NVIDIA and AMD GPUs (fla-core's KDA, this package's Triton indexer and sparse MLA, FlashMLA where vLLM
+    ships it; needs ``triton`` and ``fla-core``, the ``cuda`` extra).
+  * **implementation** — one way to compute an op (``compiled``, ``torch``, ``triton``, ``fla``, ``flashmla``,
+    ...), registered on the op's :class:`~vllm_glm53.backends.dispatch.Op` with the reason it declines a call;
+    the first that accepts runs, and the choice is logged once.
+  * **attention backend** — what vLLM calls a backend: :mod:`.latent_cache` (sparse MLA) and :mod:`.kda_state`
+    (KDA state over vLLM's GDN metadata). Each builds one step plan per step (:mod:`.plans`) that every layer's
+    ops read.
 
 Layers use ``kda_ops``, ``indexer_ops``, ``mla_ops``, ``mhc_ops`` and ``moe_ops``. Each is resolved on first use
 (importing this package costs nothing) from the platform vLLM runs on; a GPU family whose packages are missing falls
@@ -28,7 +35,7 @@ _FAMILIES = {"kda_ops": "kda", "indexer_ops": "indexer", "mla_ops": "sparse_mla"
 # Platform (as vLLM names it) -> backend sub-package. Triton and fla-core serve NVIDIA and AMD GPUs alike.
 _PACKAGES = {"cuda": "cuda", "rocm": "cuda", "cpu": "cpu"}
 
-__all__ = ["indexer_ops", "kda_ops", "mhc_ops", "mla_ops", "moe_ops", "backend_name", "load_backend"]
+__all__ = ["indexer_ops", "kda_ops", "mhc_ops", "mla_ops", "moe_ops", "load_family", "platform_of"]
 
 
 def _platform() -> str:
@@ -49,9 +56,9 @@ def _platform() -> str:
         return "cpu"
 
 
-def load_backend(family: str, platform: str | None = None) -> ModuleType:
+def load_family(family: str, platform: str | None = None) -> ModuleType:
     """The module implementing ``family`` (``kda``, ``indexer``, ``sparse_mla``, ``mhc`` or ``moe``) on ``platform``
-    (default: the current one). A GPU backend whose packages are not importable gives the CPU module, with a
+    (default: the current one). A GPU family whose packages are not importable gives the CPU module, with a
     warning."""
     package = _PACKAGES.get(platform or _platform(), "cpu")
     if package != "cpu":
@@ -62,7 +69,7 @@ def load_backend(family: str, platform: str | None = None) -> ModuleType:
     return importlib.import_module(f"vllm_glm53.backends.cpu.{family}")
 
 
-def backend_name(module: ModuleType) -> str:
+def platform_of(module: ModuleType) -> str:
     """``cpu`` or ``cuda``: which sub-package a family module came from."""
     return module.__name__.rsplit(".", 2)[-2]
 
@@ -71,7 +78,7 @@ def __getattr__(name: str) -> ModuleType:
     family = _FAMILIES.get(name)
     if family is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = load_backend(family)
+    module = load_family(family)
     globals()[name] = module  # resolved once per process
-    logger.info("vllm-glm53: %s -> %s backend", name, backend_name(module))
+    logger.info("vllm-glm53: %s -> the %s platform package", name, platform_of(module))
     return module

@@ -1,16 +1,15 @@
-"""One dispatch mechanism for the op families: an :class:`Op` holds the implementations that backends registered
-for it, in order of preference, each with a check that says why it declines a call (``"needs bfloat16, got
-float32"``), as fla's dispatch does. A call runs the first implementation that accepts it; the last one
+"""One dispatch mechanism for the op families: an :class:`Op` holds the implementations the platform packages
+registered for it, in order of preference, each with a check that says why it declines a call (``"needs
+bfloat16, got float32"``), as fla's dispatch does. A call runs the first implementation that accepts it; the last one
 registered is the reference form and accepts everything it can compute.
 
 Which implementation ran, and why the ones before it declined, is logged once per distinct outcome and op, in
 one line: ``vllm-glm53 op kda_varlen: torch (compiled declined: kernels not loaded (VLLM_GLM53_CPU_KERNELS=0))``.
 :func:`decisions` returns the same record for tests and tools.
 
-"Backend" in this package means one implementation family of an op (``compiled`` CPU kernels, ``torch``,
-``triton``, ``fla``, ``flashmla``, ``npu``); the platform sub-packages (``backends.cpu``, ``backends.cuda``) group
-the families a platform uses; vLLM's attention backends (the latent cache, the KDA state backend) are the objects
-that build the step plans (:mod:`vllm_glm53.backends.plans`).
+Words as in :mod:`vllm_glm53.backends`: an *implementation* is one way to compute the op (``compiled`` CPU
+kernels, ``torch``, ``triton``, ``fla``, ``flashmla``, ...); the platform packages (``backends.cpu``,
+``backends.cuda``) register theirs on their own Op objects.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ _seen: dict[tuple[str, str, tuple[str, ...]], None] = {}
 
 @dataclass(frozen=True)
 class Impl:
-    backend: str
+    name: str
     fn: Callable
     check: Callable[..., str | None] | None  # None: accepts every call
 
@@ -46,12 +45,12 @@ class Op:
         self.impls: list[Impl] = []
         self.__name__ = name
 
-    def register(self, backend: str, check: Callable[..., str | None] | None = None):
-        """Decorator: ``fn`` implements this op for ``backend``; ``check(*args, **kwargs)`` returns None to
+    def register(self, name: str, check: Callable[..., str | None] | None = None):
+        """Decorator: ``fn`` is this op's implementation ``name``; ``check(*args, **kwargs)`` returns None to
         accept a call or the reason it declines. Registration order is preference order."""
 
         def add(fn: Callable) -> Callable:
-            self.impls.append(Impl(backend, fn, check))
+            self.impls.append(Impl(name, fn, check))
             reference = self.impls[-1].fn
             self.__signature__ = inspect.signature(reference)
             self.__doc__ = reference.__doc__
@@ -64,26 +63,26 @@ class Op:
         for impl in self.impls:
             reason = None if impl.check is None else impl.check(*args, **kwargs)
             if reason is None:
-                key = (self.name, impl.backend, declined)
+                key = (self.name, impl.name, declined)
                 if key not in _seen:
                     _note(key)
                 return impl.fn(*args, **kwargs)
-            declined += (f"{impl.backend} declined: {reason}",)
+            declined += (f"{impl.name} declined: {reason}",)
         raise NotImplementedError(f"{self.name}: no implementation accepts this call ({'; '.join(declined)})")
 
-    def implementation(self, backend: str) -> Callable:
-        """The implementation ``backend`` registered (tests call the reference forms through this)."""
+    def implementation(self, name: str) -> Callable:
+        """The implementation registered as ``name`` (tests and benchmarks call a form explicitly through this)."""
         for impl in self.impls:
-            if impl.backend == backend:
+            if impl.name == name:
                 return impl.fn
-        raise KeyError(f"{self.name} has no {backend} implementation ({[i.backend for i in self.impls]})")
+        raise KeyError(f"{self.name} has no {name} implementation ({self.implementations})")
 
     @property
-    def backends(self) -> list[str]:
-        return [impl.backend for impl in self.impls]
+    def implementations(self) -> list[str]:
+        return [impl.name for impl in self.impls]
 
     def __repr__(self) -> str:
-        return f"Op({self.name!r}, backends={self.backends})"
+        return f"Op({self.name!r}, implementations={self.implementations})"
 
 
 def _note(key: tuple[str, str, tuple[str, ...]]) -> None:
@@ -91,12 +90,12 @@ def _note(key: tuple[str, str, tuple[str, ...]]) -> None:
         if key in _seen:
             return
         _seen[key] = None
-    name, backend, declined = key
-    logger.info("vllm-glm53 op %s: %s%s", name, backend, f" ({'; '.join(declined)})" if declined else "")
+    op, chosen, declined = key
+    logger.info("vllm-glm53 op %s: %s%s", op, chosen, f" ({'; '.join(declined)})" if declined else "")
 
 
 def decisions() -> list[tuple[str, str, tuple[str, ...]]]:
-    """Every ``(op, backend that ran, reasons of those that declined)`` seen in this process, in order."""
+    """Every ``(op, implementation that ran, reasons of those that declined)`` seen in this process, in order."""
     with _lock:
         return list(_seen)
 
