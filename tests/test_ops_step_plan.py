@@ -114,35 +114,37 @@ def no_host_reads():
 
 @pytest.fixture(scope="module")
 def layers():
+    """Decoder layers 1 (KDA + MoE), 3 (sparse MLA with its indexer + MoE) and 4 (sparse MLA reusing layer 3's
+    selection + MoE) of the tiny config, each with its two mHC blocks, random weights."""
     from transformers import Glm5NextConfig
 
     from vllm_glm53.config import text_arch
-    from vllm_glm53.model.kda import Glm5NextKDA
-    from vllm_glm53.model.mla import Glm5NextSparseMLA
+    from vllm_glm53.model.model import Glm5NextDecoderLayer
 
     if kernels.ops() is None:
         pytest.fail(f"the compiled kernels are the decode path under test and are not loaded: "
                     f"{kernels.description()}")
     arch = text_arch(Glm5NextConfig(**hf_ref.tiny_config_dict()))
-    kda_idx = next(i for i in range(arch.num_layers) if arch.is_kda(i))
-    mla_idx = next(i for i in range(arch.num_layers) if not arch.is_kda(i))
+    assert arch.is_kda(1) and not arch.is_kda(3) and arch.indexer_types[4] == "shared"
+    assert all(arch.is_moe(i) for i in (1, 3, 4))
     gen = torch.Generator().manual_seed(0)
-    with _vllm.standalone_model_parallel() as ctx:
-        kda = Glm5NextKDA(arch, kda_idx, torch.float32, prefix=f"model.layers.{kda_idx}.self_attn")
-        mla = Glm5NextSparseMLA(arch, mla_idx, True, torch.float32, prefix=f"model.layers.{mla_idx}.self_attn")
-        for layer in (kda, mla):
+    with _vllm.standalone_model_parallel():
+        decoder = [Glm5NextDecoderLayer(arch, i, torch.float32, prefix=f"model.layers.{i}") for i in (1, 3, 4)]
+        for layer in decoder:
             for p in layer.parameters():
                 p.data.copy_(0.2 * torch.randn(p.shape, generator=gen))
             _vllm.finish_loading(layer)
-        mla.process_weights_after_loading()
-        yield arch, kda, mla, ctx
+            if not layer.is_kda:
+                layer.self_attn.process_weights_after_loading()
+        yield arch, decoder
 
 
 def test_decode_step_reads_nothing_back(layers):
     from vllm.config import get_current_vllm_config
     from vllm.forward_context import set_forward_context
 
-    arch, kda, mla, _ = layers
+    arch, decoder = layers
+    kda, mla, shared = (layer.self_attn for layer in decoder)
     gen = torch.Generator().manual_seed(1)
     seq_lens = [5, 40, 90]  # 40 and 90 are far beyond index_topk: the indexer really selects
     B, block_size = len(seq_lens), 16
@@ -153,7 +155,7 @@ def test_decode_step_reads_nothing_back(layers):
     for r, nb in enumerate(blocks):
         block_table[r, :nb] = table[used : used + nb]
         used += nb
-    rows = torch.randn(sum(blocks), block_size, arch.cache_row_size, generator=gen)
+    caches = [torch.randn(sum(blocks), block_size, arch.cache_row_size, generator=gen) for _ in range(2)]
     last = torch.tensor(seq_lens) - 1
     slot_mapping = block_table[torch.arange(B), last // block_size].long() * block_size + last % block_size
     cu = torch.arange(B + 1)
@@ -164,13 +166,14 @@ def test_decode_step_reads_nothing_back(layers):
     state_pool = 0.1 * torch.randn(6, *state_shape, generator=gen)
     slots = torch.tensor([4, 0, 2])
     kda_plan = StateSlots.single_slot(cu, slots, torch.ones(B, dtype=torch.bool), B, 1)
-    kda.kv_cache, mla.kv_cache = (conv_pool, state_pool), rows
-    before = conv_pool.clone(), state_pool.clone(), rows.clone()
-    x = torch.randn(B, arch.hidden_size, generator=gen)
-    metadata = {kda.prefix: SimpleNamespace(plan=kda_plan), mla.prefix: latent_plan}
+    kda.kv_cache, mla.kv_cache, shared.kv_cache = (conv_pool, state_pool), caches[0], caches[1]
+    before = conv_pool.clone(), state_pool.clone(), [c.clone() for c in caches]
+    X = torch.randn(B, arch.hc_mult, arch.hidden_size, generator=gen)
+    metadata = {kda.prefix: SimpleNamespace(plan=kda_plan), mla.prefix: latent_plan, shared.prefix: latent_plan}
     with set_forward_context(metadata, get_current_vllm_config()), no_host_reads(), torch.no_grad():
-        y_kda = kda(x)
-        y_mla, selection = mla(x)
+        selection = None
+        for layer in decoder:
+            X, selection = layer(X, selection)
     with pytest.raises(HostRead):  # the guard is live where the step ran
         with no_host_reads():
             torch.ones(1).tolist()
@@ -178,8 +181,8 @@ def test_decode_step_reads_nothing_back(layers):
     for pool, old in zip((conv_pool, state_pool), before[:2]):
         changed = [s for s in range(pool.shape[0]) if not torch.equal(pool[s], old[s])]
         assert changed == sorted(slots.tolist())
-    flat_new, flat_old = rows.view(-1, rows.shape[-1]), before[2].view(-1, rows.shape[-1])
-    changed_rows = (flat_new != flat_old).any(-1).nonzero().squeeze(1).tolist()
-    assert changed_rows == sorted(slot_mapping.tolist())
-    assert torch.isfinite(y_kda).all() and torch.isfinite(y_mla).all()
+    for cache, old in zip(caches, before[2]):
+        flat_new, flat_old = cache.view(-1, cache.shape[-1]), old.view(-1, cache.shape[-1])
+        assert (flat_new != flat_old).any(-1).nonzero().squeeze(1).tolist() == sorted(slot_mapping.tolist())
+    assert torch.isfinite(X).all()
     assert ((selection >= 0).sum(1) < torch.tensor(seq_lens)).tolist() == [False, True, True]
