@@ -23,6 +23,15 @@ def attn(model):
     return hf_ref.layer(model, 3).self_attn
 
 
+@pytest.fixture(params=["torch", "dispatch"])
+def impl(request):
+    """``impl(op)``: the op's plain-torch reference, called explicitly, or the op as the layers call it (the
+    compiled kernels where loaded), so the reference forms stay tested whatever this machine has built."""
+    if request.param == "torch":
+        return lambda op: op.implementation("torch")
+    return lambda op: op
+
+
 def _x(attn, T, seed):
     return torch.randn(T, attn.hidden_size, generator=torch.Generator().manual_seed(seed))
 
@@ -43,25 +52,25 @@ def _as_sets(rows):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_kpool_compress_matches_loop():
+def test_kpool_compress_matches_loop(impl):
     gen = torch.Generator().manual_seed(1)
     kp, dI, T = 4, 5, 12
     k, gate, ape = (torch.randn(*s, generator=gen) for s in ((T, dI), (T, dI), (kp, dI)))
-    pooled = ix.kpool_compress(k, gate, ape)
+    pooled = impl(ix.kpool_compress)(k, gate, ape)
     for p in range(T // kp):
         for c in range(dI):
             w = torch.softmax(gate[p * kp : (p + 1) * kp, c] + ape[:, c], dim=0)
             assert torch.allclose(pooled[p, c], (w * k[p * kp : (p + 1) * kp, c]).sum(), atol=1e-6)
     with pytest.raises(ValueError):
-        ix.kpool_compress(k[:10], gate[:10], ape)
+        impl(ix.kpool_compress)(k[:10], gate[:10], ape)
 
 
-def test_index_scores_match_loop():
+def test_index_scores_match_loop(impl):
     gen = torch.Generator().manual_seed(2)
     Tq, nI, dI, P = 3, 4, 8, 5
     q = torch.randn(Tq, nI, dI, generator=gen)
     w, pooled = torch.randn(Tq, nI, generator=gen), torch.randn(P, dI, generator=gen)
-    scores = ix.index_scores(q, w, pooled)
+    scores = impl(ix.index_scores)(q, w, pooled)
     for t in range(Tq):
         for p in range(P):
             ref = sum(w[t, h] * torch.relu(q[t, h] @ pooled[p] / dI**0.5) for h in range(nI))
@@ -84,26 +93,26 @@ def _naive_select(scores, positions, topk, kp, tail):
 
 
 @pytest.mark.parametrize("topk,kp,tail", [(8, 4, True), (8, 4, False), (6, 2, True), (3, 1, True)])
-def test_select_tokens_matches_loop_with_ties(topk, kp, tail):
+def test_select_tokens_matches_loop_with_ties(topk, kp, tail, impl):
     gen = torch.Generator().manual_seed(3)
     T = 37
     scores = torch.randint(0, 3, (T, T // kp), generator=gen).float()  # many exact ties
     positions = torch.arange(T)
-    out = ix.select_tokens(scores, positions, topk, kp, tail)
+    out = impl(ix.select_tokens)(scores, positions, topk, kp, tail)
     assert out.dtype == torch.int64
     assert torch.equal(out, _naive_select(scores, positions, topk, kp, tail))
 
 
-def test_select_tokens_dense_fast_path_and_errors():
+def test_select_tokens_dense_fast_path_and_errors(impl):
     positions = torch.tensor([0, 3, 5, 10])
-    out = ix.select_tokens(None, positions, 8, 4)  # (10 + 1) // 4 = 2 pools <= 8 // 4: dense
+    out = impl(ix.select_tokens)(None, positions, 8, 4)  # (10 + 1) // 4 = 2 pools <= 8 // 4: dense
     for row, t in zip(out.tolist(), positions.tolist()):
         assert row == list(range(t + 1)) + [-1] * (11 - t - 1)
     assert ix.all_candidates_fit(10, 8, 4) and not ix.all_candidates_fit(11, 8, 4)
     with pytest.raises(ValueError):
-        ix.select_tokens(None, torch.tensor([11]), 8, 4)
+        impl(ix.select_tokens)(None, torch.tensor([11]), 8, 4)
     with pytest.raises(ValueError):
-        ix.select_tokens(torch.zeros(1, 2), torch.tensor([11]), 8, 4)  # pool 2 is complete but not scored
+        impl(ix.select_tokens)(torch.zeros(1, 2), torch.tensor([11]), 8, 4)  # pool 2 is complete but not scored
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -158,7 +167,7 @@ def _expanded_reference(q_nope, latent, kv_b, indices, H, dn, dv, scale):
 
 
 @pytest.mark.parametrize("pad_to", [None, 64])
-def test_sparse_latent_attention_equals_expanded_mha(pad_to):
+def test_sparse_latent_attention_equals_expanded_mha(pad_to, impl):
     """Gather path (S > 2N) and masked path (indices padded with -1 until N >= S/2) vs expanded MHA."""
     gen = torch.Generator().manual_seed(7)
     S, H, dn, dv, L = 30, 3, 8, 6, 10
@@ -170,20 +179,20 @@ def test_sparse_latent_attention_equals_expanded_mha(pad_to):
     if pad_to:
         indices = torch.nn.functional.pad(indices, (0, pad_to - indices.shape[1]), value=-1)
     w_uk, w_uv = mla.split_kv_b(kv_b, H, dn, dv)
-    o_lat = mla.sparse_latent_attention(mla.absorb_q(q_nope, w_uk), latent, indices, 0.25)
+    o_lat = impl(mla.sparse_latent_attention)(mla.absorb_q(q_nope, w_uk), latent, indices, 0.25)
     out = mla.apply_uv(o_lat, w_uv)
     ref = _expanded_reference(q_nope, latent, kv_b, indices, H, dn, dv, 0.25)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
-    # tiny chunks give the same result
-    o_small = mla.sparse_latent_attention(mla.absorb_q(q_nope, w_uk), latent, indices, 0.25, max_chunk_elems=1)
+    # tiny chunks give the same result (the torch form's memory bound; the kernel has no chunks)
+    o_small = impl(mla.sparse_latent_attention)(mla.absorb_q(q_nope, w_uk), latent, indices, 0.25, max_chunk_elems=1)
     torch.testing.assert_close(o_small, o_lat, rtol=0, atol=1e-6)
 
 
-def test_sparse_latent_attention_empty_row_and_bf16():
+def test_sparse_latent_attention_empty_row_and_bf16(impl):
     gen = torch.Generator().manual_seed(8)
     q, latent = torch.randn(2, 2, 4, generator=gen).bfloat16(), torch.randn(5, 4, generator=gen).bfloat16()
     indices = torch.tensor([[-1, -1, -1], [4, 0, -1]])
-    out = mla.sparse_latent_attention(q, latent, indices, 0.5)
+    out = impl(mla.sparse_latent_attention)(q, latent, indices, 0.5)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out[0].float(), torch.zeros(2, 4))
     p = torch.softmax(q[1].float() @ latent[[4, 0]].float().t() * 0.5, dim=-1)
