@@ -33,6 +33,15 @@ def _streams(cfg, T, seed, scale=1.0):
     return scale * torch.randn(T, cfg.hc_mult, cfg.hidden_size, generator=gen)
 
 
+@pytest.fixture(params=["torch", "dispatch"])
+def impl(request):
+    """``impl(op)``: the op's plain-torch reference, called explicitly, or the op as the layers call it (the
+    compiled kernels where loaded)."""
+    if request.param == "torch":
+        return lambda op: op.implementation("torch")
+    return lambda op: op
+
+
 def _mhc_block(cfg, hc) -> MHCBlock:
     p = MHCBlock(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps)
     p.load_state_dict({"fn": hc.fn, "base": hc.base, "scale": hc.scale})
@@ -58,12 +67,12 @@ def test_mhc_coefficients_and_collapse_match_hf(model, cfg):
     torch.testing.assert_close(comb.sum(dim=-2), torch.ones(7, cfg.hc_mult), rtol=0, atol=1e-5)
 
 
-def test_mhc_pre_matches_per_token_loop(model, cfg):
+def test_mhc_pre_matches_per_token_loop(model, cfg, impl):
     """pre/post/comb from a per-token scalar re-implementation of architecture.md 3.2 steps 1-6."""
     hc = hf_ref.layer(model, 0).attn_hc
     n, eps = cfg.hc_mult, cfg.hc_eps
     X = _streams(cfg, 3, 2)
-    pre, post, comb = mhc_coefficients(
+    pre, post, comb = impl(mhc_coefficients)(
         X, hc.fn, hc.base, hc.scale, n, eps, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps
     )
     for t in range(3):
@@ -82,14 +91,14 @@ def test_mhc_pre_matches_per_token_loop(model, cfg):
         torch.testing.assert_close(comb[t], C, rtol=0, atol=1e-6)
 
 
-def test_mhc_collapse_and_expand_match_loops(cfg):
+def test_mhc_collapse_and_expand_match_loops(cfg, impl):
     gen = torch.Generator().manual_seed(3)
     T, n, D = 2, cfg.hc_mult, 5
     X, y = torch.randn(T, n, D, generator=gen), torch.randn(T, D, generator=gen)
     pre, post = torch.rand(T, n, generator=gen), 2 * torch.rand(T, n, generator=gen)
     comb = torch.rand(T, n, n, generator=gen)
-    out = mhc_expand(X, y, post, comb)
-    u = mhc_collapse(X, pre)
+    out = impl(mhc_expand)(X, y, post, comb)
+    u = impl(mhc_collapse)(X, pre)
     for t in range(T):
         torch.testing.assert_close(u[t], sum(pre[t, i] * X[t, i] for i in range(n)))
         for j in range(n):
