@@ -232,11 +232,11 @@ def test_kda_conv_varlen_in_strided_pool(kind):
 
     want = pool(buffer.clone())
     y_ref = kda_cpu.causal_conv1d_varlen.implementation("torch")(x, w, want, plan)
-    got = pool(buffer.to(DEVICE))
+    got = pool(buffer.clone().to(DEVICE))
     y = kda_gpu.causal_conv1d_varlen.implementation(FAST_CONV[kind])(*on(x, w), got, plan.to(DEVICE))
     close(y, y_ref, "conv output")
     close(got, want, "conv pool")
-    got = pool(buffer.to(DEVICE))
+    got = pool(buffer.clone().to(DEVICE))
     close(kda_gpu.causal_conv1d_varlen(*on(x, w), got, plan.to(DEVICE)), y_ref, "conv output (dispatched)")
 
 
@@ -262,7 +262,7 @@ def test_kda_varlen_on_pool(kind, layout):
 
     want = pool(buffer.clone())
     o_ref = kda_cpu.kda_varlen.implementation("torch")(q, k, v, decay, beta, want, plan)
-    got = pool(buffer.to(DEVICE))
+    got = pool(buffer.clone().to(DEVICE))
     op = kda_gpu.kda_varlen.implementation(FAST_KDA[kind]) if layout == "padded_slots" else kda_gpu.kda_varlen
     o = op(*on(q, k, v, decay, beta), got, plan.to(DEVICE))
     close(o, o_ref, "output")

@@ -126,20 +126,22 @@ def _zero_fresh(pool: torch.Tensor, plan: StateSlots) -> None:
 def _conv_decode(x, weight, pool, plan):
     """One token per request on the conv states ``pool[slot]`` in place (this module's Triton kernel)."""
     _zero_fresh(pool, plan)
+    T, C = x.shape
     n = plan.num_reqs
-    # A request without a token (padding) gets slot -1: the kernel leaves its state alone. Token r belongs to
-    # request r in a step of single tokens.
-    live = plan.cu_seqlens[1 : n + 1] > plan.cu_seqlens[:n]
-    slots = torch.where(live & (plan.state_out_at[:, 0] >= 0), plan.state_out[:, 0], -1)
     y = torch.zeros_like(x)
-    B, C = min(n, x.shape[0]), x.shape[1]
-    if B == 0:
+    if T == 0:
         return y
-    xs = x[:B] if x.stride(-1) == 1 else x[:B].contiguous()
+    # Each token's slot, -1 for tokens of no request (the kernel leaves -1 alone and writes zeros); requests
+    # without a token (padding) scatter into a spare last entry.
+    first = plan.cu_seqlens[:n]
+    live = (plan.cu_seqlens[1 : n + 1] > first) & (plan.state_out_at[:, 0] >= 0)
+    token_slot = torch.full((T + 1,), -1, dtype=torch.int64, device=x.device)
+    token_slot.scatter_(0, torch.where(live, first, T), torch.where(live, plan.state_out[:, 0], -1))
+    xs = x if x.stride(-1) == 1 else x.contiguous()
     K = weight.shape[-1]
     BC = 256
-    _conv_update_kernel[(B, triton.cdiv(C, BC))](
-        xs, weight.to(torch.float32).contiguous(), pool, slots[:B].contiguous(), y,
+    _conv_update_kernel[(T, triton.cdiv(C, BC))](
+        xs, weight.to(torch.float32).contiguous(), pool, token_slot[:T].contiguous(), y,
         C, xs.stride(0), pool.stride(0), pool.stride(1), pool.stride(2),
         K=K, BC=BC,
     )
@@ -266,13 +268,10 @@ def _speculative_check(*args, **kwargs) -> str | None:
 
 @kda_varlen.register("fla_recurrent", _decode_check)
 def _kda_decode(q, k, v, g, beta, pool, plan, chunk_size=64):
-    """Plain decode: fla's fused recurrent kernel on the pool in place, one token per request."""
+    """Plain decode: fla's fused recurrent kernel on the pool in place, one token per request (a request without
+    a token, padding, has its state read and written back unchanged)."""
     _zero_fresh(pool, plan)
-    n = plan.num_reqs
-    o = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
-    o[:n] = _recurrent_on_pool(q[:n], k[:n], v[:n], g[:n], beta[:n], pool, plan.state_out[:, 0], None,
-                               torch.arange(n + 1, device=q.device))
-    return o
+    return _recurrent_on_pool(q, k, v, g, beta, pool, plan.state_out[:, 0], None, plan.cu_seqlens)
 
 
 @kda_varlen.register("fla_speculative", _speculative_check)
