@@ -55,8 +55,8 @@ def test_triton_families_fall_back_to_cpu_without_triton(monkeypatch, caplog):
     for name in [m for m in sys.modules if m.startswith(("vllm_glm53.backends.cuda", "triton."))]:
         monkeypatch.delitem(sys.modules, name)
     with caplog.at_level(logging.WARNING, logger="vllm_glm53.backends"):
-        assert backends.load_backend("indexer", "cuda") is ix_cpu
-        assert backends.load_backend("sparse_mla", "rocm") is mla_cpu
+        assert backends.load_family("indexer", "cuda") is ix_cpu
+        assert backends.load_family("sparse_mla", "rocm") is mla_cpu
     assert "cuda backend for indexer unavailable" in caplog.text
     assert "cuda backend for sparse_mla unavailable" in caplog.text
 

@@ -1,6 +1,7 @@
 """Speculative decoding with drafts that are partly right: 1 <= accepted < N as well as the extremes.
 
-Unit level: the KDA layer (``Glm5NextKDA.forward`` under vLLM's ``GDNAttentionMetadata``) verifying N drafts must
+Unit level: the KDA layer (``Glm5NextKDA.forward`` under the metadata the plugin's KDA backend builds: vLLM's
+``GDNAttentionMetadata`` plus the step plan made from it, ``vllm_glm53.backends.kda_state``) verifying N drafts must
 leave, in the state slot of its i-th token, exactly the conv window and recurrent state that running those tokens
 one at a time leaves; and the next step, resuming from the slot of the last accepted token, must continue as if
 only the accepted tokens had ever been seen. Checked for every number of accepted drafts 0..N.
@@ -42,9 +43,15 @@ def kda_layer():
         yield layer, arch, ctx
 
 
-def _meta(**fields):
-    """vLLM's own GDN metadata (the contract the layer reads), with the counts filled from the given tensors."""
+def _meta(batch_query_start_loc, **fields):
+    """vLLM's own GDN metadata (the contract the plugin's builder reads), with the counts filled from the given
+    tensors, as the plugin's KDA backend hands it to the layer: the same fields plus the step plan built from
+    them for a batch whose requests own ``batch_query_start_loc``."""
+    from types import SimpleNamespace
+
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    from vllm_glm53.backends.kda_state import KDAStepMetadata, step_plan
 
     spec_qsl = fields.get("spec_query_start_loc")
     plain_qsl = fields.get("non_spec_query_start_loc")
@@ -53,10 +60,15 @@ def _meta(**fields):
     plain_tokens = 0 if plain_qsl is None else int(plain_qsl[-1])
     num_decodes = fields.pop("num_decodes", 0)
     num_prefills = fields.pop("num_prefills", 0)
-    return GDNAttentionMetadata(
+    gdn = GDNAttentionMetadata(
         num_prefills=num_prefills, num_prefill_tokens=plain_tokens - num_decodes, num_decodes=num_decodes,
         num_decode_tokens=num_decodes, num_spec_decodes=num_spec, num_spec_decode_tokens=spec_tokens,
         num_actual_tokens=spec_tokens + plain_tokens, **fields)
+    lens = batch_query_start_loc.diff()
+    common = SimpleNamespace(num_reqs=len(lens), num_actual_tokens=int(batch_query_start_loc[-1]),
+                             max_query_len=int(lens.max()), query_start_loc=batch_query_start_loc)
+    return KDAStepMetadata(**{f: getattr(gdn, f) for f in GDNAttentionMetadata.__dataclass_fields__},
+                           plan=step_plan(gdn, common))
 
 
 def _forward(layer, x, meta):
@@ -68,14 +80,16 @@ def _forward(layer, x, meta):
 
 
 def _prefill(layer, x, slot):
-    meta = _meta(num_prefills=1, non_spec_query_start_loc=torch.tensor([0, x.shape[0]], dtype=torch.int32),
+    qsl = torch.tensor([0, x.shape[0]], dtype=torch.int32)
+    meta = _meta(qsl, num_prefills=1, non_spec_query_start_loc=qsl,
                  non_spec_state_indices_tensor=torch.tensor([slot], dtype=torch.int32),
                  has_initial_state=torch.tensor([False]))
     return _forward(layer, x, meta)
 
 
 def _decode(layer, x, slot):
-    meta = _meta(num_decodes=1, non_spec_query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    meta = _meta(qsl, num_decodes=1, non_spec_query_start_loc=qsl,
                  non_spec_state_indices_tensor=torch.tensor([slot], dtype=torch.int32),
                  has_initial_state=torch.tensor([True]))
     return _forward(layer, x, meta)
@@ -83,9 +97,11 @@ def _decode(layer, x, slot):
 
 def _verify(layer, x_plain, x_spec, plain_slot, spec_slots, accepted):
     """One step of a batch of a plain decode (token 0) and a sequence verifying drafts (the remaining tokens),
-    laid out as vLLM's GDN builder lays them out: separate token index lists for spec and non-spec tokens."""
+    laid out as vLLM's GDN builder lays them out: separate token index lists, slot tables and offsets for spec and
+    non-spec requests, and the mask saying which batch row is which."""
     n = x_spec.shape[0]
-    meta = _meta(num_decodes=1, non_spec_query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+    meta = _meta(torch.tensor([0, 1, 1 + n], dtype=torch.int32), spec_sequence_masks=torch.tensor([False, True]),
+                 num_decodes=1, non_spec_query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
                  non_spec_state_indices_tensor=torch.tensor([plain_slot], dtype=torch.int32),
                  has_initial_state=torch.tensor([True]),
                  spec_query_start_loc=torch.tensor([0, n], dtype=torch.int32),
