@@ -158,10 +158,10 @@ def test_kda_varlen_matches_torch(H, dk, dv, which):
     got = kda.kda_varlen.implementation("compiled")(q, k, v, g, beta, pool, plan)
     ref_pool = before[:, 33:].view(7, H, dk, dv).clone()
     want = kda.kda_varlen.implementation("torch")(q, k, v, g, beta, ref_pool, plan)
-    # measured (ulps of max|reference|, avx2): MEASURE_A
-    _close(got, want, ulps=24)
-    # measured (ulps of max|reference|, avx2): MEASURE_B
-    _close(pool, ref_pool, ulps=8)
+    # measured (ulps of max|reference|, avx2): 1.8 (portable not measured)
+    _close(got, want, ulps=8)
+    # measured (ulps of max|reference|, avx2): 0.81
+    _close(pool, ref_pool, ulps=4)
     assert torch.equal(pages[:, :33], before[:, :33])
     stored = set(plan.state_out[plan.state_out_at >= 0].tolist())
     untouched = [s for s in range(7) if s not in stored]
@@ -185,10 +185,10 @@ def test_kda_varlen_speculative_stores_the_state_after_each_draft():
             assert after == i
             want_pool[slot] = state
     got = kda.kda_varlen.implementation("compiled")(q, k, v, g, beta, pool, plan)
-    # measured (ulps of max|reference|, avx2): MEASURE_C
-    _close(got, want, ulps=24)
-    # measured (ulps of max|reference|, avx2): MEASURE_D
-    _close(pool, want_pool, ulps=8)
+    # measured (ulps of max|reference|, avx2): 1.5
+    _close(got, want, ulps=6)
+    # measured (ulps of max|reference|, avx2): 0.52
+    _close(pool, want_pool, ulps=3)
 
 
 def test_kda_varlen_long_strong_decay_matches_recurrence():
@@ -201,9 +201,9 @@ def test_kda_varlen_long_strong_decay_matches_recurrence():
     o = kda.kda_varlen.implementation("compiled")(q, k, v, g, beta, pool, plan)
     want_o, want_state = kda.kda_recurrent(q, k, v, g, beta)
     assert torch.isfinite(o).all()
-    # measured (ulps of max|reference|, avx2): MEASURE_E
+    # measured (ulps of max|reference|, avx2): 1.2
     _close(o, want_o, ulps=6)
-    # measured (ulps of max|reference|, avx2): MEASURE_F
+    # measured (ulps of max|reference|, avx2): 0.30
     _close(pool[0], want_state, ulps=2)
 
 
@@ -220,8 +220,8 @@ def test_conv_varlen_matches_torch(dtype, which):
     ref_pool = pool.clone()
     got = kda.causal_conv1d_varlen.implementation("compiled")(x, w, pool, plan)
     want = kda.causal_conv1d_varlen.implementation("torch")(x, w, ref_pool, plan)
-    # measured (ulps of max|reference|, avx2): MEASURE_G
-    _close(got, want, ulps=1)
+    # measured (ulps of max|reference|, avx2): 1.3 (float32, summation order); bfloat16 rounds the same value
+    _close(got, want, ulps=6)
     assert torch.equal(pool, ref_pool)  # windows are copies of inputs: exact
 
 
