@@ -78,7 +78,7 @@ def load_once(path: Path, dtype: str, dequantize_first: bool) -> dict:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
-    from vllm_glm53 import _vllm
+    from vllm_glm53 import testing
     from vllm_glm53.model import Glm5NextForConditionalGeneration
     from vllm_glm53.quant.fp8 import Fp8Pairing
 
@@ -86,7 +86,7 @@ def load_once(path: Path, dtype: str, dequantize_first: bool) -> dict:
                         enable_prefix_caching=False, limit_mm_per_prompt={"image": 0, "video": 0}
                         ).create_engine_config()
     files = sorted(glob.glob(f"{path}/*.safetensors"))
-    with _vllm.standalone_model_parallel(), set_current_vllm_config(config):
+    with testing.standalone_model_parallel(), set_current_vllm_config(config):
         torch.set_default_dtype(config.model_config.dtype)
         model = Glm5NextForConditionalGeneration(vllm_config=config)
         final = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -65,17 +65,17 @@ def bench_tower(model_dir: Path, sizes: list[int], batch: int, repeat: int) -> l
     from transformers import AutoConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
-    from vllm_glm53 import _vllm
+    from vllm_glm53 import testing
     from vllm_glm53.model.multimodal import IMAGE_DEFAULTS, preprocess_image
     from vllm_glm53.model.vision import Glm5NextVisionTower, vision_arch
 
     config = AutoConfig.from_pretrained(str(model_dir))
     hf = Glm5NextVisionModel._from_config(config.vision_config, dtype=torch.float32).eval()
     rows = []
-    with _vllm.standalone_model_parallel(), torch.no_grad():
+    with testing.standalone_model_parallel(), torch.no_grad():
         tower = Glm5NextVisionTower(vision_arch(config))
         tower.load_weights(hf.state_dict().items())
-        _vllm.finish_loading(tower)
+        testing.finish_loading(tower)
         for size in sizes:
             done = [preprocess_image(random_image(size, i), IMAGE_DEFAULTS) for i in range(batch)]
             pixels = torch.from_numpy(np.concatenate([p for p, _ in done]))

@@ -25,7 +25,7 @@ import torch
 
 import fake_torch_npu
 from test_ascend_quant import block_fp8, mx_reference, rel_err, varied_weight
-from vllm_glm53 import _vllm
+from vllm_glm53 import _vllm, testing
 from vllm_glm53.quant import mxfp8, npu
 from vllm_glm53.quant.configs import MXFP8_CONFIG_NAME, Glm5NextMxfp8Config
 
@@ -217,14 +217,14 @@ def test_vllm_linear_layer_loads_fp8_and_runs_the_regrouped_mxfp8(vllm_ascend, k
     parts[0].scale_inv = torch.pow(2.0, torch.round(torch.log2(parts[0].scale_inv)))
     x = varied_weight(5, k, gen).to(torch.bfloat16)
     config = Glm5NextMxfp8Config.from_config(FP8_CFG)
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         if kind == "replicated":
             layer = _vllm.ReplicatedLinear(k, sizes[0], bias=False, quant_config=config, prefix="m.proj")
         else:
             layer = _vllm.MergedColumnParallelLinear(k, sizes, bias=False, quant_config=config,
                                                      prefix="m.gate_up_proj")
         _load_linear(layer, parts)
-        _vllm.finish_loading(layer)
+        testing.finish_loading(layer)
         assert not hasattr(layer, "weight_scale_inv")
         regrouped = [mxfp8.regroup(p.weight, p.scale_inv) for p in parts]
         want_w, want_s = npu.mx_weight_layout(torch.cat([w for w, _ in regrouped]),
@@ -243,14 +243,14 @@ def test_vllm_linear_layer_loads_fp8_and_runs_the_regrouped_mxfp8(vllm_ascend, k
 
 def test_layers_the_checkpoint_keeps_in_bf16_are_not_converted(vllm_ascend):
     config = Glm5NextMxfp8Config.from_config(FP8_CFG)
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         kept = _vllm.ReplicatedLinear(64, 32, bias=False, quant_config=config, prefix="m.kept_bf16")
         assert type(kept.quant_method) is _vllm.UnquantizedLinearMethod and kept.weight.dtype != torch.float8_e4m3fn
         # a layer the config calls FP8 that the checkpoint gives no scale fails loudly, not with garbage
         unlisted = _vllm.ReplicatedLinear(64, 32, bias=False, quant_config=config, prefix="m.unlisted")
         unlisted.weight.weight_loader(unlisted.weight, torch.zeros(32, 64, dtype=torch.float8_e4m3fn))
         with pytest.raises(ValueError, match="modules_to_not_convert"):
-            _vllm.finish_loading(unlisted)
+            testing.finish_loading(unlisted)
         # a fused part ending inside a block would shift the next part's scale rows
         with pytest.raises(ValueError, match="not whole 128-row blocks"):
             _vllm.MergedColumnParallelLinear(64, [72, 128], bias=False, quant_config=config, prefix="m.gate_up_proj")
@@ -279,7 +279,7 @@ def test_vllm_fused_moe_layer_loads_fp8_experts_and_runs_the_regrouped_mxfp8(vll
     weights = torch.rand(ids.shape, generator=gen)
     x = varied_weight(ids.shape[0], D, gen).to(torch.bfloat16)
     config = Glm5NextMxfp8Config.from_config(FP8_CFG)
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         runner = _vllm.FusedMoEFactory(
             num_experts=E, top_k=2, hidden_size=D, intermediate_size=inter, quant_config=config,
             prefix="model.layers.1.mlp.experts", scoring_func="sigmoid", swiglu_limit=limit,
@@ -295,7 +295,7 @@ def test_vllm_fused_moe_layer_loads_fp8_experts_and_runs_the_regrouped_mxfp8(vll
             for suffix, tensor in (("weight", pair.weight), ("weight_scale_inv", pair.scale_inv)):
                 param = getattr(experts, f"{stem}_{suffix}")
                 experts.weight_loader(param, tensor, f"{stem}_{suffix}", shard, e)
-        _vllm.finish_loading(runner)
+        testing.finish_loading(runner)
         for e in range(E):
             gate_up = [mxfp8.regroup(ckpt[e, p].weight, ckpt[e, p].scale_inv) for p in ("gate_proj", "up_proj")]
             w13, s13 = npu.mx_weight_layout(torch.cat([w for w, _ in gate_up]), torch.cat([s for _, s in gate_up]))

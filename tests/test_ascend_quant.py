@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 import fake_torch_npu
-from vllm_glm53 import _vllm
+from vllm_glm53 import _vllm, testing
 from vllm_glm53.quant import fp8_block, mxfp8, npu, w8a8
 from vllm_glm53.quant.fp8 import BlockFp8Weight, block_fp8_parts
 from vllm_glm53.quant.plan import CheckpointQuant, LayerQuant
@@ -151,7 +151,7 @@ def test_mxfp8_linear_matches_dequantize_then_matmul(on_npu, k):
     sizes = [40, 24]
     weights = [block_fp8(varied_weight(n, k, gen)) for n in sizes]
     x = varied_weight(7, k, gen).to(torch.bfloat16)
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         layer = _mx_gate_up_layer(k, sizes, weights)
         assert layer.weight.shape == (k, sum(sizes)) and layer.weight_scale.shape == (math.ceil(k / 64), 64, 2)
         y, _ = layer(x)
@@ -168,7 +168,7 @@ def test_mxfp8_linear_matches_dequantize_then_matmul(on_npu, k):
 
 
 def test_mxfp8_linear_rejects_reduction_sizes_that_are_not_whole_groups(on_npu):
-    with _vllm.standalone_model_parallel(), pytest.raises(ValueError, match="multiple of 32"):
+    with testing.standalone_model_parallel(), pytest.raises(ValueError, match="multiple of 32"):
         _mx_gate_up_layer(80, [16, 16], [])
 
 
@@ -338,7 +338,7 @@ def prompt():
 def test_w8a8_checkpoint_on_the_npu_path_matches_the_reference(w8a8_ckpt, prompt, on_npu, monkeypatch):
     config = _engine_config(w8a8_ckpt, quantization="ascend")
     assert config.quant_config.get_name() == "ascend" and config.quant_config.modules
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         npu_model = _build(config, w8a8_ckpt)
         assert all(type(layer.mlp.experts).__name__ == "W8A8Experts" for layer in npu_model.model.layers[1:])
         npu_logits, _ = _run(npu_model, config, prompt)
@@ -357,7 +357,7 @@ def test_fp8_checkpoint_on_the_mxfp8_path_stays_close_to_the_dequantized_model(t
     path = tiny_ckpt("fp8", fp8=True)
     config = _engine_config(path)
     assert config.quant_config.get_name() == "glm5_next_fp8"
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         mx_model = _build(config, path)
         assert type(mx_model.model.layers[1].mlp.experts).__name__ == "Mxfp8Experts"
         monkeypatch.setattr(_vllm, "platform_kind", lambda: "cpu")
@@ -505,7 +505,7 @@ def test_w8a8_mtp_rotation_is_loaded_and_applied(w8a8_ckpt, rotated_w8a8_ckpt, p
     and applied as ``h @ rot^T`` on every step: Q^T diag(w) is not symmetric, and the layer's ``eh_proj``
     expects the rotated basis. Measured difference 2.4e-6 of values ~1 (float32 rounding of the folded Q)."""
     hidden = torch.randn(prompt.shape[0], 64, generator=torch.Generator().manual_seed(0))
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         plain, want1, want2 = _mtp_steps(w8a8_ckpt, prompt, hidden)
         rotated, got1, got2 = _mtp_steps(rotated_w8a8_ckpt, prompt, hidden)
     rot = load_file(str(rotated_w8a8_ckpt / "rot.safetensors"))["rot.weight"]
@@ -527,7 +527,7 @@ def test_mtp_on_a_rotated_w8a8_checkpoint_keeps_greedy_outputs(rotated_w8a8_ckpt
     prompts = prompt_set(rotated_w8a8_ckpt, [6, 40])
     config = _engine_config(rotated_w8a8_ckpt, quantization="ascend")
     want = []
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         model = _build(config, rotated_w8a8_ckpt)
         for p in prompts:
             ids = list(p)

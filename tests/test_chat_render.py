@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from vllm_glm53.chat import render
-from vllm_glm53.chat.render import render_segments
+from vllm_glm53.chat.prompt_format import render_segments
 from vllm_glm53.chat.tokens import ADDED_TOKENS
 
 MAX = "[gMASK]<sop><|system|>Reasoning Effort: Max"

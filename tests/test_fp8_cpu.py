@@ -153,7 +153,7 @@ def test_cuda_expert_wiring_through_vllms_fused_moe():
     from vllm.config import get_current_vllm_config
     from vllm.forward_context import set_forward_context
 
-    from vllm_glm53 import _vllm
+    from vllm_glm53 import testing
     from vllm_glm53.model.moe_routing import clamped_swiglu, route
     from vllm_glm53.quant.experts import FusedFp8Experts
 
@@ -164,11 +164,11 @@ def test_cuda_expert_wiring_through_vllms_fused_moe():
     shapes = {"gate_proj": (inter, D), "up_proj": (inter, D), "down_proj": (D, inter)}
     ckpt = {(e, p): 0.1 * torch.randn(*shapes[p], generator=gen) for e in range(E) for p in shapes}
     x, logits = torch.randn(T, D, generator=gen), torch.randn(T, E, generator=gen)
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         experts = FusedFp8Experts(E, k, D, inter, 1e4, router, None, prefix="model.layers.1.mlp.experts")
         filled = {n for (e, p), w in ckpt.items() for n in experts.load(e, p, "weight", w)}
         assert filled == {n for n, _ in experts.named_parameters()}
-        _vllm.finish_loading(experts)
+        testing.finish_loading(experts)
         with set_forward_context(None, get_current_vllm_config()):
             got = experts(x, logits)
     weights, ids = router(logits)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_glm53 import _vllm
+from vllm_glm53 import testing
 
 N_DRAFTS = 3
 PROMPT = 7
@@ -31,7 +31,7 @@ def kda_layer():
 
     arch = text_arch(Glm5NextConfig(**default_config()))
     gen = torch.Generator().manual_seed(0)
-    with _vllm.standalone_model_parallel() as ctx:
+    with testing.standalone_model_parallel() as ctx:
         layer = Glm5NextKDA(arch, 0, torch.float32, prefix=PREFIX)
         with torch.no_grad():
             for name, p in layer.named_parameters():
@@ -39,7 +39,7 @@ def kda_layer():
                 p.copy_(scale * torch.randn(p.shape, generator=gen))
                 if name == "o_norm.weight":
                     p.add_(1.0)
-        _vllm.finish_loading(layer)
+        testing.finish_loading(layer)
         yield layer, arch, ctx
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hf_ref
-from vllm_glm53 import _vllm
+from vllm_glm53 import testing
 from vllm_glm53.backends.cpu import kernels
 from vllm_glm53.backends.kda_state import step_plan
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
@@ -128,12 +128,12 @@ def layers():
     assert arch.is_kda(1) and not arch.is_kda(3) and arch.indexer_types[4] == "shared"
     assert all(arch.is_moe(i) for i in (1, 3, 4))
     gen = torch.Generator().manual_seed(0)
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         decoder = [Glm5NextDecoderLayer(arch, i, torch.float32, prefix=f"model.layers.{i}") for i in (1, 3, 4)]
         for layer in decoder:
             for p in layer.parameters():
                 p.data.copy_(0.2 * torch.randn(p.shape, generator=gen))
-            _vllm.finish_loading(layer)
+            testing.finish_loading(layer)
             if not layer.is_kda:
                 layer.self_attn.process_weights_after_loading()
         yield arch, decoder

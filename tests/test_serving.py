@@ -283,7 +283,7 @@ def test_the_plugins_renderer_feeds_vllms_own_multimodal_processor(size, tmp_pat
     from transformers import AutoTokenizer
 
     from tests.vllm_glm5next import summarize
-    from vllm_glm53 import _vllm
+    from vllm_glm53 import testing
     from vllm_glm53.chat import render
     from vllm_glm53.tiny import build_checkpoint
 
@@ -304,7 +304,7 @@ def test_the_plugins_renderer_feeds_vllms_own_multimodal_processor(size, tmp_pat
     assert out.returncode == 0, out.stderr[-4000:]
     theirs = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("PROCESSED"))[len("PROCESSED"):])
 
-    ours_processor = _vllm.multimodal_processor(ckpt, max_model_len=4096, limit_mm_per_prompt={"image": 1, "video": 0})
+    ours_processor = testing.multimodal_processor(ckpt, max_model_len=4096, limit_mm_per_prompt={"image": 1, "video": 0})
     ours = summarize(ours_processor(prompt, ours_processor.info.parse_mm_data({"image": [Image.fromarray(pixels)]}),
                                     hf_processor_mm_kwargs={}))
     assert ours == theirs

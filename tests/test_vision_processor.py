@@ -218,9 +218,9 @@ SEQ_LEN = 1024
 
 @pytest.fixture(scope="module")
 def mm_processor(tiny_ckpt):
-    from vllm_glm53 import _vllm
+    from vllm_glm53 import testing
 
-    return _vllm.multimodal_processor(tiny_ckpt("vision", **VISION_CKPT), max_model_len=SEQ_LEN,
+    return testing.multimodal_processor(tiny_ckpt("vision", **VISION_CKPT), max_model_len=SEQ_LEN,
                                       limit_mm_per_prompt={"image": 2, "video": 1})
 
 

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import torch
 
-from vllm_glm53 import _vllm
+from vllm_glm53 import testing
 from vllm_glm53.model.vision import Glm5NextVisionTower, patch_rows_cols, vision_arch
 from vllm_glm53.model.weights import CheckpointError
 
@@ -60,7 +60,7 @@ def pixels_for(grids, dim):
 def build_tower(config, state_dict):
     tower = Glm5NextVisionTower(vision_arch(config))
     loaded = tower.load_weights(state_dict.items())
-    _vllm.finish_loading(tower)
+    testing.finish_loading(tower)
     return tower, loaded
 
 
@@ -72,7 +72,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def tp1():
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         yield
 
 
@@ -148,7 +148,7 @@ def _tp_rank(rank: int, init_method: str, state_path: str, out_path: str) -> Non
     torch.set_num_threads(1)
     config = reference_config()
     state = torch.load(state_path)
-    with _vllm.standalone_model_parallel(tp_size=2, rank=rank, init_method=init_method):
+    with testing.standalone_model_parallel(tp_size=2, rank=rank, init_method=init_method):
         tower, _ = build_tower(config, state)
         with torch.no_grad():
             out = tower(pixels_for(GRIDS, tower.arch.patch_dim), GRIDS)
@@ -162,7 +162,7 @@ def test_tensor_parallel_2_matches_transformers(reference):
     with tempfile.TemporaryDirectory() as d:
         state_path, out_path = os.path.join(d, "state.pt"), os.path.join(d, "out.pt")
         torch.save(hf.state_dict(), state_path)
-        init = f"tcp://127.0.0.1:{_vllm.free_local_port()}"
+        init = f"tcp://127.0.0.1:{testing.free_local_port()}"
         procs = [ctx.Process(target=_tp_rank, args=(r, init, state_path, out_path)) for r in range(2)]
         for p in procs:
             p.start()

@@ -337,65 +337,6 @@ def read_model_json(model_config, filename: str) -> dict:
     return get_hf_file_to_dict(filename, model_config.model, revision=model_config.revision) or {}
 
 
-def finish_loading(module) -> None:
-    """What vLLM's model loader does after ``load_weights``: let every layer's quantization method finalise
-    its weights (on CPU the unquantized linear repacks its weight for the GEMM it dispatches to)."""
-    for sub in module.modules():
-        method = getattr(sub, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(sub)
-
-
-class standalone_model_parallel:
-    """Context in which vLLM's parallel layers can be built and run outside an engine (unit tests,
-    benchmarks): a default ``VllmConfig`` and a gloo process group of ``tp_size`` ranks, torn down on exit.
-
-    Every rank of a ``tp_size > 1`` group enters it in its own process with the same ``init_method``.
-    """
-
-    def __init__(self, tp_size: int = 1, rank: int = 0, init_method: str | None = None) -> None:
-        self.tp_size, self.rank = tp_size, rank
-        self.init_method = init_method or f"tcp://127.0.0.1:{free_local_port()}"
-
-    def __enter__(self):
-        import os
-
-        from vllm.config import VllmConfig, set_current_vllm_config
-        from vllm.distributed import parallel_state as ps
-
-        # vLLM's CPU worker names the ranks' shared-memory group after the rendezvous port; so do we.
-        self._saved_ident = os.environ.get("VLLM_DIST_IDENT")
-        os.environ["VLLM_DIST_IDENT"] = self.init_method.rsplit(":", 1)[-1]
-        self._config_ctx = set_current_vllm_config(VllmConfig())
-        self._config_ctx.__enter__()
-        ps.init_distributed_environment(world_size=self.tp_size, rank=self.rank, local_rank=self.rank,
-                                        distributed_init_method=self.init_method, backend="gloo")
-        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp_size)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import os
-
-        from vllm.distributed import parallel_state as ps
-
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
-        self._config_ctx.__exit__(*exc)
-        if self._saved_ident is None:
-            os.environ.pop("VLLM_DIST_IDENT", None)
-        else:
-            os.environ["VLLM_DIST_IDENT"] = self._saved_ident
-
-
-def free_local_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for a process group's rendezvous)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------------------------------------------------
 # --- gpu backends ---
 # (imported by vllm_glm53.backends: which platform vLLM runs on, and the GPU kernels vLLM ships that the
@@ -543,14 +484,3 @@ def moe_layer_types() -> tuple[type, ...]:
     which asks the config with the experts container itself), ``FusedMoE`` in older releases."""
     module = importlib.import_module("vllm.model_executor.layers.fused_moe")
     return tuple(getattr(module, name) for name in ("RoutedExperts", "FusedMoE") if hasattr(module, name))
-
-
-def multimodal_processor(model: str, **model_config_kwargs):
-    """vLLM's multimodal processor for ``model`` as the engine's front-end builds it, without an engine
-    (tests): the general plugins loaded, a ``ModelConfig``, the processor registered for its architecture."""
-    from vllm.config import ModelConfig
-    from vllm.multimodal import MULTIMODAL_REGISTRY
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()
-    return MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=str(model), **model_config_kwargs))

@@ -246,7 +246,7 @@ def conversation(rng: random.Random) -> Conversation:
 
 def corpus_text(n: int, seed: int) -> list[str]:
     """Rendered conversations (text between the control tokens), for training the BPE."""
-    from vllm_glm53.chat.render import render_segments
+    from vllm_glm53.chat.prompt_format import render_segments
 
     rng = random.Random(seed)
     lines = []
@@ -270,7 +270,7 @@ def encode(tokenizer, conv: Conversation) -> tuple[list[int], list[bool]]:
 
     Text is encoded segment by segment like the ``glm5_next`` tokenizer does, so the ids are exactly what
     vLLM feeds the model for the same messages."""
-    from vllm_glm53.chat.render import render_segments
+    from vllm_glm53.chat.prompt_format import render_segments
 
     segments = render_segments(conv.messages, conv.tools, conv.effort, False) + [("<|user|>", True)]
     learned = iter([not m.get(HISTORY_ONLY) for m in conv.messages if m["role"] == "assistant"])
@@ -413,7 +413,6 @@ def _batches(tokenizer, rng: random.Random, batch: int, pad_id: int):
 
 def _losses(model, mtp, ids, mask):
     """Main next-token loss and MTP next-next-token loss over the generated positions."""
-    import torch
     import torch.nn.functional as F
 
     lm = model.model.language_model

@@ -25,7 +25,7 @@ except ImportError:  # transformers 4.x
     from transformers import PreTrainedTokenizerFast as _FastTokenizer
 from transformers import BatchEncoding
 
-from vllm_glm53.chat.render import Segment, render_segments
+from vllm_glm53.chat.prompt_format import Segment, render_segments
 from vllm_glm53.chat.tokens import ADDED_TOKENS
 
 # Arguments of ``apply_chat_template`` that steer tokenization rather than the rendering.
