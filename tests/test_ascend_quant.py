@@ -516,25 +516,3 @@ def test_w8a8_mtp_rotation_is_loaded_and_applied(w8a8_ckpt, rotated_w8a8_ckpt, p
     torch.testing.assert_close(got1, want1, rtol=0, atol=1e-5)
     torch.testing.assert_close(got2, want2, rtol=0, atol=1e-5)
     assert (got2 - got1).abs().max() > 0.1  # the two steps differ: the second really used the first's output
-
-
-@pytest.mark.engine
-def test_mtp_on_a_rotated_w8a8_checkpoint_keeps_greedy_outputs(rotated_w8a8_ckpt, prompt):
-    """MTP speculation in the engine on the rotated w8a8 checkpoint gives the greedy tokens of the plugin's
-    reference path run in-process without speculation (a full prefill per token)."""
-    from conftest import prompt_set, run_engine
-
-    prompts = prompt_set(rotated_w8a8_ckpt, [6, 40])
-    config = _engine_config(rotated_w8a8_ckpt, quantization="ascend")
-    want = []
-    with testing.standalone_model_parallel():
-        model = _build(config, rotated_w8a8_ckpt)
-        for p in prompts:
-            ids = list(p)
-            for _ in range(10):
-                logits, _ = _run(model, config, torch.tensor(ids))
-                ids.append(int(logits[-1].argmax()))
-            want.append(ids[len(p):])
-    got = run_engine(rotated_w8a8_ckpt, prompts, 10, ignore_eos=True, engine={
-        "quantization": "ascend", "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}})
-    assert [g["token_ids"] for g in got] == want
