@@ -101,6 +101,13 @@ def vllm_ascend(tmp_path, monkeypatch):
     from vllm.model_executor.layers import quantization as q
     from vllm.platforms import current_platform
 
+    import vllm_glm53
+
+    # The plugin's own CPU registration goes into the tables before they are copied (the copies are what stay
+    # afterwards), and whatever the fake NPU registers is forgotten with them: later tests in this process
+    # find the plugin as vLLM's plugin loader left it, whichever test ran first.
+    vllm_glm53.register()
+    monkeypatch.setattr(vllm_glm53, "_registered", vllm_glm53._registered)
     for name, text in FAKE_VLLM_ASCEND.items():
         path = tmp_path / "vllm_ascend" / name
         path.parent.mkdir(parents=True, exist_ok=True)
