@@ -12,6 +12,8 @@ Ascend grouped matmuls on NPU, FP8-resident experts on CPU) and hand ``quant_con
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -28,6 +30,8 @@ from vllm_glm53.model.moe_routing import clamped_swiglu, route
 from vllm_glm53.quant import experts as quant_experts
 from vllm_glm53.quant.fp8 import BlockFp8Weight
 from vllm_glm53.quant.plan import LayerQuant, layer_quant
+
+logger = logging.getLogger("vllm_glm53")
 
 
 class Glm5NextMLP(nn.Module):
@@ -150,7 +154,12 @@ def _routed_experts(arch: TextArch, quant: LayerQuant | None, prefix: str, tp_ra
     if quant.backend == "npu":
         return quant_experts.Mxfp8Experts(E, D, inter, tp_rank, arch.swiglu_limit, router)
     if quant.backend == "cpu":
-        return quant_experts.CpuFp8Experts(E, D, inter, tp_rank, arch.swiglu_limit, router, quant.block_size)
+        reason = quant_experts.CpuFp8Experts.slice_reason(inter, tp_rank, quant.block_size)
+        if reason is None:
+            return quant_experts.CpuFp8Experts(E, D, inter, tp_rank, arch.swiglu_limit, router, quant.block_size)
+        # the dequantize-at-load path, as for the linears whose TP share splits a block
+        logger.warning("vllm-glm53: %s.experts stay dequantized on CPU: %s", prefix, reason)
+        return StackedExperts(E, D, inter, tp_rank, arch.swiglu_limit, router)
     return quant_experts.FusedFp8Experts(E, arch.num_experts_per_tok, D, arch.moe_intermediate_size,
                                          arch.swiglu_limit, router, quant.vllm_fp8_config(),
                                          prefix=f"{prefix}.experts")

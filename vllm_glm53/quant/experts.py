@@ -169,9 +169,9 @@ class CpuFp8Experts(nn.Module):
         bn, bk = self.block = tuple(int(b) for b in block)
         self.num_experts, self.inter, self.swiglu_limit, self.router = num_experts, inter, swiglu_limit, router
         self.lo, self.hi = tp_rank * inter, (tp_rank + 1) * inter
-        if self.lo % bn or self.lo % bk:
-            raise ValueError(f"FP8 experts: this rank's intermediate slice starts at {self.lo}, inside a "
-                             f"{list(block)} block")
+        reason = self.slice_reason(inter, tp_rank, block)
+        if reason:
+            raise ValueError(f"FP8 experts: {reason}")
         E, D, I = num_experts, hidden, inter
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, D, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.w13_scale_inv = nn.Parameter(torch.full((E, 2 * math.ceil(I / bn), math.ceil(D / bk)), -1.0),
@@ -179,6 +179,14 @@ class CpuFp8Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, D, I, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.w2_scale_inv = nn.Parameter(torch.full((E, math.ceil(D / bn), math.ceil(I / bk)), -1.0),
                                          requires_grad=False)
+
+    @staticmethod
+    def slice_reason(inter: int, tp_rank: int, block: tuple[int, int]) -> str | None:
+        """Why this rank's slice of the intermediate dimension cannot keep its FP8 blocks (None: it can)."""
+        lo = tp_rank * inter
+        if lo % block[0] or lo % block[1]:
+            return f"this rank's intermediate slice starts at {lo}, inside a {list(block)} block"
+        return None
 
     def load(self, expert: int, which: str, leaf: str, tensor) -> list[str]:
         if leaf != "weight" or not isinstance(tensor, BlockFp8Weight):
