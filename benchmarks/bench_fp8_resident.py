@@ -31,6 +31,7 @@ import argparse
 import gc
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,9 +76,8 @@ def copy_bandwidth(repeat: int) -> float:
     return 2 * WORKING_SET / statistics.median(times[1:])
 
 
-def write_checkpoint(path: Path, layers: int, experts: int) -> int:
-    """Block-FP8 FFN weights of ``layers`` layers (checkpoint names, one tensor per expert projection); returns the
-    file's tensor bytes."""
+def write_checkpoint(path: Path, layers: int, experts: int) -> None:
+    """Block-FP8 FFN weights of ``layers`` layers (checkpoint names, one tensor per expert projection)."""
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(0)
@@ -99,7 +99,6 @@ def write_checkpoint(path: Path, layers: int, experts: int) -> int:
         add(f"{p}.shared_experts.gate_proj", MOE_INTER, HIDDEN), add(f"{p}.shared_experts.up_proj", MOE_INTER, HIDDEN)
         add(f"{p}.shared_experts.down_proj", HIDDEN, MOE_INTER)
     save_file(tensors, str(path))
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class Fp8Side:
@@ -254,15 +253,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--write", help=argparse.SUPPRESS)  # the child that writes the checkpoint
     args = parser.parse_args()
+    if args.write:
+        write_checkpoint(Path(args.write), args.layers, args.experts)
+        return
     torch.set_num_threads(args.threads)
     if kernels.ops() is None:
         raise SystemExit(f"needs the compiled kernels: {kernels.description()}")
-    from safetensors import safe_open
-
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "ffn.safetensors"
-        ckpt_bytes = write_checkpoint(path, args.layers, args.experts)
+        # written by a child process: memory this process freed would be reused by the loads without showing
+        subprocess.run([sys.executable, __file__, "--write", str(path), "--layers", str(args.layers),
+                        "--experts", str(args.experts)], check=True)
+        from safetensors import safe_open
+
+        ckpt_bytes = path.stat().st_size
         gc.collect()
         rss0 = rss_anon()
         with safe_open(str(path), "pt") as f:
