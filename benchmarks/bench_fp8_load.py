@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The dequantize-at-load path (what runs without the compiled kernels); with them an FP8 checkpoint stays FP8,
+# measured by bench_fp8_resident.py.
+os.environ["VLLM_GLM53_CPU_KERNELS"] = "0"
 import torch  # noqa: E402
 
 

@@ -10,62 +10,23 @@
 //      every token routed to the expert (their float32 rows stay in cache), giving h [pairs, I] float32;
 //   2. tasks (expert, block of hidden rows) of W2 the same way, giving one output row per pair, y [pairs, D];
 //   3. per token, its k pair outputs weighted and summed in choice order (deterministic, no atomics).
-// Experts that received no token are never touched. Rows go two at a time against kTok tokens at a time (4 with
-// AVX-512, 2 with 16 vector registers), so each loaded lane group of a weight row feeds kTok FMAs and 2 * kTok
-// accumulators hide the FMA latency without spilling; the next
-// rows are prefetched meanwhile (the loads alone kept too few misses in flight: ~1.4x the memory floor at 16
-// tokens without, ~1.2x with). With many tokens an expert's tokens go in chunks whose rows fit in L2; there the
-// kernel is compute-bound and the Python side hands large batches to torch's GEMMs.
+// Experts that received no token are never touched. The dot products are gemv.h's (rows two at a time against
+// kTok tokens at a time); the next rows are prefetched meanwhile (the loads alone kept too few misses in flight:
+// ~1.4x the memory floor at 16 tokens without, ~1.2x with). With many tokens an expert's tokens go in chunks
+// whose rows fit in L2; there the float kernel is compute-bound and the Python side hands large batches to
+// torch's GEMMs.
+//
+// moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes: per expert the direct path
+// (at most kDirectMaxTokens tokens: tokens pre-multiplied by the row block's scales, E4M3 rows converted as they
+// stream) or the tile path (each row dequantized into an L1-resident float32 buffer, then dotted with every
+// token of the chunk). It serves every batch size: there is no dequantized copy for torch's GEMMs to use.
 
 #include <vector>
 
-#include "common.h"
+#include "gemv.h"
 
 namespace glm53 {
 namespace {
-
-// Tokens sharing each load of a weight row: 2 rows x kTok tokens of accumulators in registers (vec.h).
-constexpr int kTok = kVectorRegs >= 32 ? 4 : 2;
-constexpr int64_t kRowsPerTask = 16;  // weight rows (gate/up pairs in step 1) per task
-constexpr int64_t kAhead = 1;         // prefetch distance in row pairs
-constexpr int64_t kChunkBytes = 128 << 10;  // float32 token rows a task works through per pass over its rows
-
-// Tokens per pass over a block of weight rows, so their ``len``-float rows stay in L2 across the block.
-int64_t token_chunk(int64_t len) {
-  return std::max<int64_t>(kTok, kChunkBytes / (4 * std::max<int64_t>(len, 1)) / kTok * kTok);
-}
-
-// acc[r][j] = dot(rows[r], xs[j]) over len values for R rows and N tokens (float32 sums). ``ahead`` (or null):
-// R rows to prefetch meanwhile, the ones the caller reads next.
-template <int R, int N, typename W>
-inline void dot_block(const W* const* rows, const W* const* ahead, const float* const* xs, int64_t len,
-                      float (*acc)[kTok]) {
-  F16 s[R][N];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < N; ++j) s[r][j] = zero();
-  for (int64_t i = 0; i < len; i += kLanes) {
-    const int m = static_cast<int>(std::min<int64_t>(kLanes, len - i));
-    if (ahead != nullptr)
-      for (int r = 0; r < R; ++r) __builtin_prefetch(ahead[r] + i);
-    F16 w[R];
-    for (int r = 0; r < R; ++r) w[r] = load(rows[r] + i, m);
-    for (int j = 0; j < N; ++j) {
-      const F16 xv = load(xs[j] + i, m);
-      for (int r = 0; r < R; ++r) s[r][j] = fma(w[r], xv, s[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < N; ++j) acc[r][j] = reduce_add(s[r][j]);
-}
-
-// The same for 1..N tokens (n picks the instantiation).
-template <int R, int N = kTok, typename W>
-inline void dot_tokens(const W* const* rows, const W* const* ahead, const float* const* xs, int n, int64_t len,
-                       float (*acc)[kTok]) {
-  if constexpr (N > 1)
-    if (n < N) return dot_tokens<R, N - 1>(rows, ahead, xs, n, len, acc);
-  dot_block<R, N>(rows, ahead, xs, len, acc);
-}
 
 // The clamped SwiGLU of one gate / up value (only the gate's upper side is clamped).
 inline float clamped_swiglu(float g, float u, float limit) {
@@ -88,52 +49,83 @@ std::vector<Task> expert_tasks(const std::vector<int64_t>& count, int64_t n_rows
 
 at::Tensor rows_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
+// The (token, choice) pairs grouped by expert, in token order within an expert: slot[p] is pair p's row in h and
+// y, token_at[s] the token of slot s; experts own slots [start[e], start[e + 1]).
+struct Routing {
+  int64_t T, D, E, k, P;
+  at::Tensor x, weights;  // float32 token rows (the dot products read them from cache many times), weights [T, k]
+  std::vector<int64_t> count, start, slot, token_at;
+};
+
+// The checks every expert op shares and the grouping. w13 [E, 2I, D], w2 [E, D, I] by shape only.
+Routing route_pairs(const char* what, const at::Tensor& x_, const at::Tensor& w13, const at::Tensor& w2,
+                    const at::Tensor& ids_, const at::Tensor& weights_) {
+  TORCH_CHECK(x_.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, what, ": x [T, D], w13 [E, 2I, D], w2 [E, D, I]");
+  const int64_t T = x_.size(0), D = x_.size(1), E = w13.size(0), I = w13.size(1) / 2;
+  TORCH_CHECK(w13.size(1) == 2 * I && w13.size(2) == D, what, ": w13 must be [E, 2I, ", D, "], got ", w13.sizes());
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == D && w2.size(2) == I, what, ": w2 must be [", E, ", ", D, ", ", I,
+              "], got ", w2.sizes());
+  TORCH_CHECK(ids_.dim() == 2 && ids_.size(0) == T && weights_.sizes() == ids_.sizes(), what,
+              ": ids and weights must be [T, k]");
+  TORCH_CHECK(!ids_.is_floating_point(), what, ": ids must be integers");
+  for (const at::Tensor* t : {&x_, &w13, &w2, &ids_, &weights_})
+    TORCH_CHECK(t->device().is_cpu(), what, ": tensors must be on the CPU");
+  Routing g;
+  g.T = T, g.D = D, g.E = E, g.k = ids_.size(1), g.P = T * g.k;
+  g.x = x_.to(at::kFloat).contiguous();
+  g.weights = weights_.to(at::kFloat).contiguous();
+  const at::Tensor ids = ids_.to(at::kLong).contiguous();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  g.count.assign(E, 0), g.start.assign(E + 1, 0), g.slot.resize(g.P), g.token_at.resize(g.P);
+  for (int64_t p = 0; p < g.P; ++p) {
+    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, what, ": expert id ", idp[p], " outside [0, ", E, ")");
+    ++g.count[idp[p]];
+  }
+  for (int64_t e = 0; e < E; ++e) g.start[e + 1] = g.start[e] + g.count[e];
+  std::vector<int64_t> fill(g.start.begin(), g.start.end() - 1);
+  for (int64_t p = 0; p < g.P; ++p) {
+    g.slot[p] = fill[idp[p]]++;
+    g.token_at[g.slot[p]] = p / g.k;
+  }
+  return g;
+}
+
+// 3. out[t] = sum_j weights[t, j] y[slot of (t, j)], in choice order.
+at::Tensor combine_pairs(const Routing& g, const at::Tensor& y) {
+  at::Tensor out = at::empty({g.T, g.D}, g.x.options());
+  const float* wp = g.weights.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t k = g.k, D = g.D;
+  at::parallel_for(0, g.T, std::max<int64_t>(1, 16384 / (k * D)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* ot = op + t * D;
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const int m = static_cast<int>(std::min<int64_t>(kLanes, D - d));
+        F16 acc = zero();
+        for (int64_t j = 0; j < k; ++j) acc = fma(set1(wp[t * k + j]), load(yp + g.slot[t * k + j] * D + d, m), acc);
+        store(ot + d, acc, m);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // x [T, D] (float32 / bf16 / fp16), w13 [E, 2I, D] (rows: I gate, then I up), w2 [E, D, I] (w13's dtype, any
 // of the three), ids [T, k] int32 / int64 in [0, E), weights [T, k] -> out [T, D] float32.
 at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::Tensor& w2_, const at::Tensor& ids_,
                        const at::Tensor& weights_, double swiglu_limit) {
-  TORCH_CHECK(x_.dim() == 2 && w13_.dim() == 3 && w2_.dim() == 3,
-              "moe_experts: x [T, D], w13 [E, 2I, D], w2 [E, D, I]");
-  const int64_t T = x_.size(0), D = x_.size(1), E = w13_.size(0), I = w13_.size(1) / 2;
-  TORCH_CHECK(w13_.size(1) == 2 * I && w13_.size(2) == D, "moe_experts: w13 must be [E, 2I, ", D, "], got ",
-              w13_.sizes());
-  TORCH_CHECK(w2_.size(0) == E && w2_.size(1) == D && w2_.size(2) == I, "moe_experts: w2 must be [", E, ", ", D,
-              ", ", I, "], got ", w2_.sizes());
   TORCH_CHECK(w13_.scalar_type() == w2_.scalar_type(), "moe_experts: w13 and w2 dtypes differ");
-  TORCH_CHECK(ids_.dim() == 2 && ids_.size(0) == T && weights_.sizes() == ids_.sizes(),
-              "moe_experts: ids and weights must be [T, k]");
-  TORCH_CHECK(!ids_.is_floating_point(), "moe_experts: ids must be integers");
-  for (const at::Tensor* t : {&x_, &w13_, &w2_, &ids_, &weights_})
-    TORCH_CHECK(t->device().is_cpu(), "moe_experts: tensors must be on the CPU");
-  const int64_t k = ids_.size(1), P = T * k;
-  if (P == 0 || D == 0) return at::zeros({T, D}, x_.options().dtype(at::kFloat));
-  at::Tensor out = at::empty({T, D}, x_.options().dtype(at::kFloat));
-
-  // Tokens in float32 (the dot products read them from cache many times), routing on the host side.
-  at::Tensor x = x_.to(at::kFloat).contiguous();
-  at::Tensor ids = ids_.to(at::kLong).contiguous(), weights = weights_.to(at::kFloat).contiguous();
+  const Routing g = route_pairs("moe_experts", x_, w13_, w2_, ids_, weights_);
+  const int64_t D = g.D, I = w13_.size(1) / 2, P = g.P;
+  if (P == 0 || D == 0) return at::zeros({g.T, D}, x_.options().dtype(at::kFloat));
   at::Tensor w13 = rows_contiguous(w13_), w2 = rows_contiguous(w2_);
   const float limit = static_cast<float>(swiglu_limit);
-
-  // Group the pairs by expert, in token order within an expert: slot[p] is pair p's row in h and y.
-  const int64_t* idp = ids.data_ptr<int64_t>();
-  std::vector<int64_t> count(E, 0), start(E + 1, 0), slot(P), token_at(P);
-  for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(idp[p] >= 0 && idp[p] < E, "moe_experts: expert id ", idp[p], " outside [0, ", E, ")");
-    ++count[idp[p]];
-  }
-  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + count[e];
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < P; ++p) {
-      slot[p] = fill[idp[p]]++;
-      token_at[slot[p]] = p / k;
-    }
-  }
-  at::Tensor h = at::empty({P, I}, out.options()), y = at::empty({P, D}, out.options());
-  const float* xp = x.data_ptr<float>();
+  const std::vector<int64_t>&count = g.count, &start = g.start, &token_at = g.token_at;
+  at::Tensor h = at::empty({P, I}, g.x.options()), y = at::empty({P, D}, g.x.options());
+  const float* xp = g.x.data_ptr<float>();
   const int64_t x_chunk = token_chunk(D), h_chunk = token_chunk(I);
   float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
 
@@ -196,22 +188,158 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
       }
     });
   });
+  return combine_pairs(g, y);
+}
 
-  // 3. out[t] = sum_j weights[t, j] y[slot of (t, j)], in choice order.
-  const float* wp = weights.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / (k * D)), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      float* ot = op + t * D;
-      for (int64_t d = 0; d < D; d += kLanes) {
-        const int m = static_cast<int>(std::min<int64_t>(kLanes, D - d));
-        F16 acc = zero();
-        for (int64_t j = 0; j < k; ++j) acc = fma(set1(wp[t * k + j]), load(yp + slot[t * k + j] * D + d, m), acc);
-        store(ot + d, acc, m);
+// The same with block-FP8 weights kept as E4M3 bytes: w13 [E, 2I, D] and w2 [E, D, I] float8_e4m3fn, their
+// float32 block scales w13_scale [E, 2 * ceil(I / bn), ceil(D / bk)] (gate blocks, then up blocks: the two halves
+// are separate checkpoint tensors, each with its own ragged last block) and w2_scale [E, ceil(D / bn),
+// ceil(I / bk)]. Per expert, the direct path for at most kDirectMaxTokens tokens, else the tile path (gemv.h).
+at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const at::Tensor& w13_scale_,
+                           const at::Tensor& w2_, const at::Tensor& w2_scale_, const at::Tensor& ids_,
+                           const at::Tensor& weights_, double swiglu_limit, int64_t block_n, int64_t block_k) {
+  const char* what = "moe_experts_fp8";
+  TORCH_CHECK(w13_.scalar_type() == at::kFloat8_e4m3fn && w2_.scalar_type() == at::kFloat8_e4m3fn, what,
+              ": w13 and w2 must be float8_e4m3fn");
+  check_fp8_blocks(what, block_n, block_k);
+  const Routing g = route_pairs(what, x_, w13_, w2_, ids_, weights_);
+  const int64_t D = g.D, E = g.E, I = w13_.size(1) / 2, P = g.P;
+  const int64_t nbI = ceil_div(I, block_n), kbD = ceil_div(D, block_k), nbD = ceil_div(D, block_n),
+                kbI = ceil_div(I, block_k);
+  TORCH_CHECK(w13_scale_.scalar_type() == at::kFloat && w2_scale_.scalar_type() == at::kFloat, what,
+              ": scales must be float32");
+  TORCH_CHECK(w13_scale_.dim() == 3 && w13_scale_.size(0) == E && w13_scale_.size(1) == 2 * nbI &&
+                  w13_scale_.size(2) == kbD,
+              what, ": w13_scale must be [", E, ", ", 2 * nbI, ", ", kbD, "], got ", w13_scale_.sizes());
+  TORCH_CHECK(w2_scale_.dim() == 3 && w2_scale_.size(0) == E && w2_scale_.size(1) == nbD && w2_scale_.size(2) == kbI,
+              what, ": w2_scale must be [", E, ", ", nbD, ", ", kbI, "], got ", w2_scale_.sizes());
+  if (P == 0 || D == 0) return at::zeros({g.T, D}, x_.options().dtype(at::kFloat));
+  const at::Tensor w13 = rows_contiguous(w13_), w2 = rows_contiguous(w2_);
+  const at::Tensor w13_scale = w13_scale_.contiguous(), w2_scale = w2_scale_.contiguous();
+  const float limit = static_cast<float>(swiglu_limit);
+  const std::vector<int64_t>&count = g.count, &start = g.start, &token_at = g.token_at;
+  at::Tensor h = at::empty({P, I}, g.x.options()), y = at::empty({P, D}, g.x.options());
+  const float* xp = g.x.data_ptr<float>();
+  float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
+  const E4m3* w13p = reinterpret_cast<const E4m3*>(w13.data_ptr());
+  const E4m3* w2p = reinterpret_cast<const E4m3*>(w2.data_ptr());
+  const float *s13p = w13_scale.data_ptr<float>(), *s2p = w2_scale.data_ptr<float>();
+  const int64_t s13e = w13.stride(0), s13r = w13.stride(1), s2e = w2.stride(0), s2r = w2.stride(1);
+  const int64_t x_chunk = token_chunk(D, kTileChunkBytes), h_chunk = token_chunk(I, kTileChunkBytes);
+
+  // 1. h = clamped_swiglu(W13_e x): a task's rows lie in one gate row block and the same up row block.
+  const std::vector<Task> up_tasks = expert_tasks(count, I);
+  at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
+    // direct: the tokens times the gate block's and the up block's scales; tile: one gate row and one up row
+    std::vector<float> buf(std::max(2 * kDirectMaxTokens * D, 2 * D));
+    float acc[2][kDirectMaxTokens], acc_up[2][kDirectMaxTokens];
+    const float* xs[kDirectMaxTokens];
+    int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
+    for (; b < end; ++b) {
+      const Task& task = up_tasks[b];
+      const int64_t e = task.expert, c0 = start[e], c1 = start[e + 1];
+      const E4m3* we = w13p + e * s13e;
+      const float* gate_scale = s13p + (e * 2 * nbI + task.row0 / block_n) * kbD;
+      const float* up_scale = gate_scale + nbI * kbD;
+      if (c1 - c0 <= kDirectMaxTokens) {
+        const int n = static_cast<int>(c1 - c0);
+        float* xg = buf.data();
+        float* xu = xg + kDirectMaxTokens * D;
+        if (scaled_for != e * nbI + task.row0 / block_n) {
+          for (int j = 0; j < n; ++j) {
+            scale_by_blocks(xp + token_at[c0 + j] * D, gate_scale, D, block_k, xg + j * D);
+            scale_by_blocks(xp + token_at[c0 + j] * D, up_scale, D, block_k, xu + j * D);
+          }
+          scaled_for = e * nbI + task.row0 / block_n;
+        }
+        const float* xgs[kDirectMaxTokens];
+        const float* xus[kDirectMaxTokens];
+        for (int j = 0; j < n; ++j) xgs[j] = xg + j * D, xus[j] = xu + j * D;
+        for (int64_t r = task.row0; r < task.row0 + task.rows; r += 2) {
+          const int nr = static_cast<int>(std::min<int64_t>(2, task.row0 + task.rows - r));
+          const E4m3* gate[2] = {we + r * s13r, we + (r + nr - 1) * s13r};
+          const E4m3* up[2] = {we + (I + r) * s13r, we + (I + r + nr - 1) * s13r};
+          dot_rows(gate, up, nr, xgs, n, D, acc);  // prefetches the up rows, read next
+          const int64_t rn = std::min(r + 2 * kAhead, I - 2);
+          const E4m3* next[2] = {we + rn * s13r, we + (rn + 1) * s13r};
+          dot_rows(up, rn >= 0 ? next : nullptr, nr, xus, n, D, acc_up);
+          for (int i = 0; i < nr; ++i)
+            for (int j = 0; j < n; ++j) hp[(c0 + j) * I + r + i] = clamped_swiglu(acc[i][j], acc_up[i][j], limit);
+        }
+        continue;
+      }
+      scaled_for = -1;  // the tile path reuses buf
+      float* rows_f[2] = {buf.data(), buf.data() + D};
+      const float* rows[2] = {rows_f[0], rows_f[1]};
+      for (int64_t t0 = c0; t0 < c1; t0 += x_chunk) {
+        const int64_t t1 = std::min(t0 + x_chunk, c1);
+        for (int64_t r = task.row0; r < task.row0 + task.rows; ++r) {
+          dequantize_row(we + r * s13r, gate_scale, D, block_k, rows_f[0]);
+          dequantize_row(we + (I + r) * s13r, up_scale, D, block_k, rows_f[1]);
+          for (int64_t j0 = t0; j0 < t1; j0 += kTok) {
+            const int n = static_cast<int>(std::min<int64_t>(kTok, t1 - j0));
+            for (int j = 0; j < n; ++j) xs[j] = xp + token_at[j0 + j] * D;
+            float part[2][kTok];
+            dot_tokens<2>(rows, nullptr, xs, n, D, part);
+            for (int j = 0; j < n; ++j) hp[(j0 + j) * I + r] = clamped_swiglu(part[0][j], part[1][j], limit);
+          }
+        }
       }
     }
   });
-  return out;
+
+  // 2. y = W2_e h: a task's rows lie in one row block of W2.
+  const std::vector<Task> down_tasks = expert_tasks(count, D);
+  at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
+    std::vector<float> buf(std::max(kDirectMaxTokens * I, 2 * I));
+    float acc[2][kDirectMaxTokens];
+    const float* hs[kDirectMaxTokens];
+    int64_t scaled_for = -1;
+    for (; b < end; ++b) {
+      const Task& task = down_tasks[b];
+      const int64_t e = task.expert, c0 = start[e], c1 = start[e + 1];
+      const E4m3* we = w2p + e * s2e;
+      const float* scale = s2p + (e * nbD + task.row0 / block_n) * kbI;
+      if (c1 - c0 <= kDirectMaxTokens) {
+        const int n = static_cast<int>(c1 - c0);
+        if (scaled_for != e * nbD + task.row0 / block_n) {
+          for (int j = 0; j < n; ++j) scale_by_blocks(hp + (c0 + j) * I, scale, I, block_k, buf.data() + j * I);
+          scaled_for = e * nbD + task.row0 / block_n;
+        }
+        for (int j = 0; j < n; ++j) hs[j] = buf.data() + j * I;
+        for (int64_t r = task.row0; r < task.row0 + task.rows; r += 2) {
+          const int nr = static_cast<int>(std::min<int64_t>(2, task.row0 + task.rows - r));
+          const E4m3* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
+          const int64_t rn = std::min(r + 2 * kAhead, D - 2);
+          const E4m3* next[2] = {we + rn * s2r, we + (rn + 1) * s2r};
+          dot_rows(rows, rn >= 0 ? next : nullptr, nr, hs, n, I, acc);
+          for (int j = 0; j < n; ++j)
+            for (int i = 0; i < nr; ++i) yp[(c0 + j) * D + r + i] = acc[i][j];
+        }
+        continue;
+      }
+      scaled_for = -1;
+      float* rows_f[2] = {buf.data(), buf.data() + I};
+      const float* rows[2] = {rows_f[0], rows_f[1]};
+      for (int64_t t0 = c0; t0 < c1; t0 += h_chunk) {
+        const int64_t t1 = std::min(t0 + h_chunk, c1);
+        for (int64_t r = task.row0; r < task.row0 + task.rows; r += 2) {
+          const int nr = static_cast<int>(std::min<int64_t>(2, task.row0 + task.rows - r));
+          for (int i = 0; i < nr; ++i) dequantize_row(we + (r + i) * s2r, scale, I, block_k, rows_f[i]);
+          for (int64_t j0 = t0; j0 < t1; j0 += kTok) {
+            const int n = static_cast<int>(std::min<int64_t>(kTok, t1 - j0));
+            for (int j = 0; j < n; ++j) hs[j] = hp + (j0 + j) * I;
+            float part[2][kTok];
+            if (nr == 2) dot_tokens<2>(rows, nullptr, hs, n, I, part);
+            else dot_tokens<1>(rows, nullptr, hs, n, I, part);
+            for (int j = 0; j < n; ++j)
+              for (int i = 0; i < nr; ++i) yp[(j0 + j) * D + r + i] = part[i][j];
+          }
+        }
+      }
+    }
+  });
+  return combine_pairs(g, y);
 }
 
 }  // namespace glm53

@@ -36,6 +36,11 @@ at::Tensor mhc_collapse(const at::Tensor& X, const at::Tensor& pre);
 at::Tensor mhc_expand(const at::Tensor& X, const at::Tensor& y, const at::Tensor& post, const at::Tensor& comb);
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& ids,
                        const at::Tensor& weights, double swiglu_limit);
+at::Tensor moe_experts_fp8(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w13_scale,
+                           const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& ids,
+                           const at::Tensor& weights, double swiglu_limit, int64_t block_n, int64_t block_k);
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::IntArrayRef parts,
+                      int64_t block_n, int64_t block_k);
 
 // "<isa> torch <version>": what this library was built for, checked by the loader and shown in its log line.
 std::string build_info() { return std::string(isa_name()) + " torch " + TORCH_VERSION; }
@@ -61,6 +66,9 @@ TORCH_LIBRARY(vllm_glm53, m) {
   m.def("mhc_collapse(Tensor X, Tensor pre) -> Tensor");
   m.def("mhc_expand(Tensor X, Tensor y, Tensor post, Tensor comb) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor ids, Tensor weights, float swiglu_limit) -> Tensor");
+  m.def("moe_experts_fp8(Tensor x, Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale, Tensor ids,"
+        " Tensor weights, float swiglu_limit, int block_n, int block_k) -> Tensor");
+  m.def("fp8_linear(Tensor x, Tensor weight, Tensor scale, int[] parts, int block_n, int block_k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
@@ -76,4 +84,6 @@ TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
   m.impl("mhc_collapse", &glm53::mhc_collapse);
   m.impl("mhc_expand", &glm53::mhc_expand);
   m.impl("moe_experts", &glm53::moe_experts);
+  m.impl("moe_experts_fp8", &glm53::moe_experts_fp8);
+  m.impl("fp8_linear", &glm53::fp8_linear);
 }

@@ -21,6 +21,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -43,6 +44,17 @@ namespace glm53 {
 
 constexpr int kLanes = 16;
 
+// A float8_e4m3fn weight byte (torch's layout: sign, 4 exponent bits with bias 7, 3 mantissa bits). load() of
+// E4M3 bytes returns each value times 2^-8 (kE4m3Unit): the byte's low seven bits shifted left by 7, with its
+// sign on top, are a float16 of that value (exponent bias 15 = 7 + 8), subnormals included, so the conversion
+// is two integer operations and the float16 -> float32 instruction, with no table and no special cases.
+// Kernels fold 2^8 into their block scales. The one code that differs: e4m3fn's NaN (0x7F / 0xFF) reads as
+// +-480, a finite value; block-FP8 quantizers never write it (quant/fp8_block.py rejects non-finite weights).
+struct E4m3 {
+  uint8_t bits;
+};
+constexpr float kE4m3Unit = 1.0f / 256.0f;
+
 // How many 16-lane vectors the register file holds: the kernels' register tiles (accumulators kept across a
 // loop) are sized so they do not spill.
 #if GLM53_AVX512
@@ -56,6 +68,12 @@ constexpr int kVectorRegs = 4;   // xmm0-15 (SSE2), four per vector
 #if GLM53_AVX512
 
 inline const char* isa_name() { return "avx512"; }
+
+// 16 E4M3 bytes -> 16 float16 bit patterns of value * 2^-8 (see E4m3): the sign extension puts the sign in bit
+// 15 and a copy in bit 14, which the mask clears (the top float16 exponent bit stays 0).
+inline __m256i e4m3_half_bits(__m128i b) {
+  return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+}
 
 struct F16 {
   __m512 v;
@@ -76,6 +94,12 @@ inline F16 load(const c10::BFloat16* p, int n = kLanes) {
 inline F16 load(const c10::Half* p, int n = kLanes) {
   __m256i h = _mm256_maskz_loadu_epi16(lane_mask(n), p);
   return {_mm512_cvtph_ps(h)};
+}
+// E4M3 bytes (see E4m3 at the top): sign-extend to 16 bits, shift into float16 position, convert with the F16C path.
+inline F16 load(const E4m3* p, int n = kLanes) {
+  const __m128i b = n >= kLanes ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                                : _mm_maskz_loadu_epi8(lane_mask(n), p);
+  return {_mm512_cvtph_ps(e4m3_half_bits(b))};
 }
 inline void store(float* p, F16 x, int n = kLanes) {
   if (n >= kLanes) _mm512_storeu_ps(p, x.v);
@@ -131,6 +155,11 @@ inline F16 exp(F16 x) {
 
 inline const char* isa_name() { return "avx2"; }
 
+// As in the avx512 path.
+inline __m256i e4m3_half_bits(__m128i b) {
+  return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+}
+
 struct F16 {
   __m256 lo, hi;  // lanes 0-7, 8-15
 };
@@ -166,6 +195,19 @@ inline F16 load(const c10::BFloat16* p, int n = kLanes) {
 }
 inline F16 load(const c10::Half* p, int n = kLanes) {
   const __m256i h = load_u16(p, n);
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+}
+// E4M3 bytes (see E4m3 at the top); a partial group is copied into a zeroed buffer first.
+inline F16 load(const E4m3* p, int n = kLanes) {
+  __m128i b;
+  if (n >= kLanes) {
+    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint8_t buf[kLanes] = {};
+    std::memcpy(buf, p, n);
+    b = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+  }
+  const __m256i h = e4m3_half_bits(b);
   return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
 }
 inline void store(float* p, F16 x, int n = kLanes) {
@@ -274,6 +316,20 @@ template <typename T>
 inline F16 load(const T* p, int n = kLanes) {
   F16 r;
   for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? static_cast<float>(p[i]) : 0.0f;
+  return r;
+}
+// E4M3 bytes (see E4m3 at the top) through a table of the 256 values, built once from the same float16 bit pattern.
+inline const std::array<float, 256> kE4m3Table = [] {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b) {
+    const uint16_t bits = static_cast<uint16_t>((static_cast<uint16_t>(static_cast<int8_t>(b)) << 7) & 0xBF80u);
+    t[b] = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  }
+  return t;
+}();
+inline F16 load(const E4m3* p, int n = kLanes) {
+  F16 r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? kE4m3Table[p[i].bits] : 0.0f;
   return r;
 }
 inline void store(float* p, F16 x, int n = kLanes) {

@@ -1,10 +1,14 @@
-"""Native FP8 checkpoints on CPU: the plugin claims them from vLLM's Fp8Config and dequantizes every block-FP8
-weight into the model dtype while loading; greedy generation then matches transformers run on the same
-weights dequantized by the documented formula (architecture.md §12.2)."""
+"""Native FP8 checkpoints on CPU: the plugin claims them from vLLM's Fp8Config; with the compiled kernels the
+block-FP8 weights stay FP8 in memory (backends/cpu/fp8.py), without them every one is dequantized into the model
+dtype while loading. Either way greedy generation matches transformers run on the same weights dequantized by
+the documented formula (architecture.md §12.2), which is what the dequantize-at-load path computes: the engine
+tests below check tokens and logprobs against it and, in the engine, which form the weights took."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 
 import pytest
@@ -203,6 +207,25 @@ def dequantized_twin(src, dst):
     return dst
 
 
+# FP8 weights of the tiny checkpoints (layer 0 dense, layer 1 MoE) as the engine holds them, and their sizes.
+FP8_PARAMS = ["model.layers.0.mlp.gate_up_proj.weight", "model.layers.1.mlp.shared_experts.down_proj.weight",
+              "model.layers.1.mlp.experts.w13", "model.layers.1.mlp.experts.w2"]
+FP8_PROBES = [f"{p}.{a}" for p in FP8_PARAMS for a in ("dtype", "shape", "nbytes")]
+
+
+def assert_weight_form(values):
+    """With the compiled kernels (this process loaded them, and the engine inherits the build) every FP8 weight
+    stays E4M3, one byte per value; without them it is dequantized into the model dtype (float32 here)."""
+    from vllm_glm53.backends.cpu import kernels
+
+    resident = kernels.ops() is not None
+    for worker in values:
+        for p in FP8_PARAMS:
+            numel = math.prod(int(n) for n in re.findall(r"\d+", worker[f"{p}.shape"]))
+            assert worker[f"{p}.dtype"] == ("torch.float8_e4m3fn" if resident else "torch.float32"), (p, worker)
+            assert int(worker[f"{p}.nbytes"]) == numel * (1 if resident else 4), (p, worker)
+
+
 @pytest.mark.engine
 def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(tiny_ckpt, tmp_path):
     path = tiny_ckpt("fp8", fp8=True)
@@ -210,7 +233,9 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(tiny_ckpt, t
     assert sum(n.endswith("weight_scale_inv") for n in names) > 0  # the test exercises FP8 tensors
     prompts = prompt_set(path, LENGTHS)
     want = hf_greedy(hf_model(dequantized_twin(path, tmp_path / "twin")), prompts, MAX_TOKENS)
-    got = run_engine(path, prompts, MAX_TOKENS, engine={"max_num_seqs": 3}, logprobs=1)
+    got, values = run_engine(path, prompts, MAX_TOKENS, engine={"max_num_seqs": 3}, logprobs=1,
+                             model_values=FP8_PROBES)
+    assert_weight_form(values)
     assert_parity(got, want)
 
 
@@ -241,5 +266,6 @@ def test_fp8_weights_of_several_ragged_blocks_match_the_dequantized_reference(ti
     assert {(2, 3), (3, 2), (1, 3), (3, 1)} <= grids, grids  # several blocks, ragged, both orientations
     prompts = prompt_set(path, LENGTHS[::2])
     want = hf_greedy(hf_model(dequantized_twin(path, tmp_path / "twin")), prompts, 12)
-    got = run_engine(path, prompts, 12, logprobs=1)
+    got, values = run_engine(path, prompts, 12, logprobs=1, model_values=FP8_PROBES)
+    assert_weight_form(values)
     assert_parity(got, want)

@@ -6,11 +6,13 @@ Why not vLLM's fused MoE on CPU: its CPU expert kernels take only an activation 
 ``moe_ops.routed_experts`` (a compiled kernel for decode-sized CPU batches, else one GEMM pair per expert that
 received tokens), with routing from :mod:`.moe_routing`. Quantized
 checkpoints swap the expert stack for one of :mod:`vllm_glm53.quant.experts` (vLLM's fused MoE on CUDA, the
-Ascend grouped matmuls on NPU) and hand ``quant_config`` to the linear layers, as the plan says
+Ascend grouped matmuls on NPU, FP8-resident experts on CPU) and hand ``quant_config`` to the linear layers, as the plan says
 (:mod:`vllm_glm53.quant.plan`).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -28,6 +30,8 @@ from vllm_glm53.model.moe_routing import clamped_swiglu, route
 from vllm_glm53.quant import experts as quant_experts
 from vllm_glm53.quant.fp8 import BlockFp8Weight
 from vllm_glm53.quant.plan import LayerQuant, layer_quant
+
+logger = logging.getLogger("vllm_glm53")
 
 
 class Glm5NextMLP(nn.Module):
@@ -107,7 +111,8 @@ class Router:
 
 class StackedExperts(nn.Module):
     """Every expert's weights stacked in the model dtype: ``w13 [E, 2*I_tp, D]`` (rows gate | up, the checkpoint's
-    gate_proj/up_proj row slices) and ``w2 [E, D, I_tp]``. FP8 checkpoints are dequantized into them at load."""
+    gate_proj/up_proj row slices) and ``w2 [E, D, I_tp]``. FP8 checkpoints are dequantized into them at load where
+their experts do not stay FP8 (:mod:`vllm_glm53.quant.plan`)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, tp_rank: int, swiglu_limit: float,
                  router: Router) -> None:
@@ -148,6 +153,13 @@ def _routed_experts(arch: TextArch, quant: LayerQuant | None, prefix: str, tp_ra
                                          on_npu=quant.backend == "npu")
     if quant.backend == "npu":
         return quant_experts.Mxfp8Experts(E, D, inter, tp_rank, arch.swiglu_limit, router)
+    if quant.backend == "cpu":
+        reason = quant_experts.CpuFp8Experts.slice_reason(inter, tp_rank, quant.block_size)
+        if reason is None:
+            return quant_experts.CpuFp8Experts(E, D, inter, tp_rank, arch.swiglu_limit, router, quant.block_size)
+        # the dequantize-at-load path, as for the linears whose TP share splits a block
+        logger.warning("vllm-glm53: %s.experts stay dequantized on CPU: %s", prefix, reason)
+        return StackedExperts(E, D, inter, tp_rank, arch.swiglu_limit, router)
     return quant_experts.FusedFp8Experts(E, arch.num_experts_per_tok, D, arch.moe_intermediate_size,
                                          arch.swiglu_limit, router, quant.vllm_fp8_config(),
                                          prefix=f"{prefix}.experts")

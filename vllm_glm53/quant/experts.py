@@ -6,7 +6,7 @@ Every stack has the interface of ``model.moe.StackedExperts`` (the unquantized o
 ``forward(x, router_logits) -> float32 [T, D]``, this TP rank's share of the routed output (summed over ranks by
 the MoE block). Each rank holds every expert's slice ``[lo, hi)`` of the intermediate dimension.
 
-The Ascend stacks keep their weights in the grouped-matmul layout, ``[E, K, N]`` with the scales beside, and
+:class:`CpuFp8Experts` keeps the checkpoint's E4M3 bytes and block scales for the CPU kernels. The Ascend stacks keep their weights in the grouped-matmul layout, ``[E, K, N]`` with the scales beside, and
 write each expert into it as it streams in, so no second copy is made after loading.
 
 :class:`BlockFp8Mxfp8MoEMethod` is the same MXFP8 computation as a vLLM fused-MoE method, for the experts of
@@ -151,6 +151,67 @@ class W8A8Experts(_ShardedExperts):
 
     def _gemm2(self, h, group_list):
         return self._grouped(h, self.w2, self.w2_scale, group_list)
+
+
+class CpuFp8Experts(nn.Module):
+    """CPU: block-FP8 experts kept as E4M3 bytes with their block scales, run by the compiled
+    ``moe_experts_fp8`` (backends/cpu/fp8.py), which dequantizes inside its products.
+
+    ``w13 [E, 2I, D]`` (rows gate | up: the checkpoint's gate_proj / up_proj row slices) with ``w13_scale_inv
+    [E, 2 ceil(I/bn), ceil(D/bk)]`` (gate blocks, then up blocks: each half keeps its own ragged last block) and
+    ``w2 [E, D, I]`` with ``w2_scale_inv [E, ceil(D/bn), ceil(I/bk)]``; each rank holds every expert's slice
+    ``[lo, hi)`` of the intermediate dimension, which must start on a block edge.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp_rank: int, swiglu_limit: float,
+                 router: Router, block: tuple[int, int]) -> None:
+        super().__init__()
+        bn, bk = self.block = tuple(int(b) for b in block)
+        self.num_experts, self.inter, self.swiglu_limit, self.router = num_experts, inter, swiglu_limit, router
+        self.lo, self.hi = tp_rank * inter, (tp_rank + 1) * inter
+        reason = self.slice_reason(inter, tp_rank, block)
+        if reason:
+            raise ValueError(f"FP8 experts: {reason}")
+        E, D, I = num_experts, hidden, inter
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, D, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.w13_scale_inv = nn.Parameter(torch.full((E, 2 * math.ceil(I / bn), math.ceil(D / bk)), -1.0),
+                                          requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, D, I, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.w2_scale_inv = nn.Parameter(torch.full((E, math.ceil(D / bn), math.ceil(I / bk)), -1.0),
+                                         requires_grad=False)
+
+    @staticmethod
+    def slice_reason(inter: int, tp_rank: int, block: tuple[int, int]) -> str | None:
+        """Why this rank's slice of the intermediate dimension cannot keep its FP8 blocks (None: it can)."""
+        lo = tp_rank * inter
+        if lo % block[0] or lo % block[1]:
+            return f"this rank's intermediate slice starts at {lo}, inside a {list(block)} block"
+        return None
+
+    def load(self, expert: int, which: str, leaf: str, tensor) -> list[str]:
+        if leaf != "weight" or not isinstance(tensor, BlockFp8Weight):
+            raise ValueError(f"experts.{expert}.{which}.{leaf}: expected a block-FP8 weight")
+        if tuple(tensor.block) != self.block:
+            raise ValueError(f"experts.{expert}.{which}: FP8 block {list(tensor.block)}, expected {list(self.block)}")
+        bn, bk = self.block
+        weight, scale = tensor.weight, tensor.scale_inv
+        if which == "down_proj":
+            self.w2.data[expert].copy_(weight[:, self.lo : self.hi])
+            self.w2_scale_inv.data[expert].copy_(scale[:, self.lo // bk : math.ceil(self.hi / bk)])
+            return ["w2", "w2_scale_inv"]
+        half = 0 if which == "gate_proj" else 1
+        nb = math.ceil(self.inter / bn)
+        self.w13.data[expert, half * self.inter : (half + 1) * self.inter].copy_(weight[self.lo : self.hi])
+        self.w13_scale_inv.data[expert, half * nb : (half + 1) * nb].copy_(
+            scale[self.lo // bn : math.ceil(self.hi / bn)])
+        return ["w13", "w13_scale_inv"]
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        from vllm_glm53.backends.cpu.fp8 import routed_experts_fp8
+
+        weights, ids = self.router(router_logits)
+        return routed_experts_fp8(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, ids, weights,
+                                  self.swiglu_limit, self.block)
 
 
 class FusedFp8Experts(nn.Module):

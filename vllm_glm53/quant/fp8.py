@@ -5,8 +5,11 @@ would hand it to its own ``Fp8Config``, which rejects ``--dtype float32`` and, o
 kernel at all; the plugin claims such checkpoints of this model (:mod:`.configs`) and its layers follow the
 per-tensor plan of :mod:`.plan`:
 
-* CPU and any platform without a native path: every FP8 weight is dequantized once, while the checkpoint
-  streams in, straight into the model dtype (float32 under ``--dtype float32``, bfloat16 by default). Only
+* CPU with the compiled kernels loaded: the FP8 layers keep the checkpoint's bytes and block scales, and the
+  kernels dequantize inside their products (:mod:`vllm_glm53.backends.cpu.fp8`); RAM is about the
+  checkpoint's size.
+* CPU without them, and any platform without a native path: every FP8 weight is dequantized once, while the
+  checkpoint streams in, straight into the model dtype (float32 under ``--dtype float32``, bfloat16 by default). Only
   the tensor being converted exists twice, so loading peaks near one layer above the final size.
 * CUDA/ROCm: the FP8 layers keep their bytes and run vLLM's block-FP8 linear and fused-MoE methods.
 * Ascend (the plugin's own model): the FP8 weights are re-grouped to MXFP8 at load (:mod:`.mxfp8`,

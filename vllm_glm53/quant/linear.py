@@ -7,6 +7,7 @@ like any weight (TP, gate|up, q|k|v), and move to the kernels' layout after load
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -15,6 +16,8 @@ from vllm_glm53 import _vllm
 from vllm_glm53.quant import npu
 from vllm_glm53.quant.mxfp8 import GROUP, regroup
 from vllm_glm53.quant.w8a8 import W8A8_DYNAMIC, w8a8_matmul
+
+logger = logging.getLogger("vllm_glm53")
 
 
 @_vllm.register_weight_loader_v2_supported_method
@@ -105,6 +108,86 @@ class BlockFp8Mxfp8LinearMethod(Mxfp8LinearMethod):
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
         super().process_weights_after_loading(layer)
+
+
+@_vllm.register_weight_loader_v2_supported_method
+class CpuBlockFp8LinearMethod(_vllm.LinearMethodBase):
+    """A linear layer whose block-FP8 weight stays FP8 on the CPU: ``weight`` E4M3 ``[N, K]`` and
+    ``weight_scale_inv`` float32 block scales, run by the compiled ``fp8_linear`` (backends/cpu/fp8.py), which
+    dequantizes inside the product.
+
+    The parameters are the checkpoint's, as vLLM's block-FP8 method declares them, so vLLM's parameter loaders
+    fill them (TP shards, fused parts: a fused part's scale rows start at ``ceil(row offset / bn)``, each part
+    keeps its own ragged last block). Nothing moves after loading: the kernels read the checkpoint's layout.
+    A layer whose tensor-parallel share does not start on a block edge takes the dequantize-at-load path
+    instead (logged), as vLLM's block-FP8 methods would refuse it.
+    """
+
+    def __init__(self, block_size: tuple[int, int]) -> None:
+        self.block_size = tuple(int(b) for b in block_size)
+
+    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        from vllm_glm53.backends.cpu.fp8 import scale_rows
+
+        bn, bk = self.block_size
+        parts = [int(p) for p in output_partition_sizes]
+        loader = extra_weight_attrs["weight_loader"]
+        reason = None
+        if sum(parts) != output_size and any(p % bn for p in parts):
+            reason = f"tensor-parallel parts {parts} are not whole {bn}-row blocks"
+        elif input_size_per_partition != input_size and input_size_per_partition % bk:
+            reason = f"the per-rank input size {input_size_per_partition} is not whole {bk}-column blocks"
+        # vLLM's loaders put part p's scales at row ceil(offset_p / bn); parts of fewer than bn rows could then
+        # land on one another's rows.
+        offset, first = 0, 0
+        for p in parts:
+            if reason is None and math.ceil(offset / bn) != first:
+                reason = f"fused parts {parts} share block rows"
+            first += math.ceil(p / bn)
+            offset += p
+        if reason is not None:
+            # A rank's share would need another rank's (or part's) scales: this layer takes the
+            # dequantize-at-load path (the loader dequantizes into a weight of the model dtype).
+            logger.warning("vllm-glm53: %s stays dequantized on CPU: %s", layer.prefix, reason)
+            layer.fp8_dequantized = True
+            layer.register_parameter("weight", _vllm.ModelWeightParameter(
+                data=torch.empty(sum(parts), input_size_per_partition, dtype=params_dtype),
+                input_dim=1, output_dim=0, weight_loader=loader))
+            return
+        layer.weight_block_size = [bn, bk]  # vLLM's fused loaders read it for the scale offsets
+        layer.fp8_parts = parts
+        layer.register_parameter("weight", _vllm.ModelWeightParameter(
+            data=torch.empty(sum(parts), input_size_per_partition, dtype=torch.float8_e4m3fn),
+            input_dim=1, output_dim=0, weight_loader=loader))
+        layer.register_parameter("weight_scale_inv", _vllm.BlockQuantScaleParameter(
+            data=torch.full((scale_rows(parts, bn), math.ceil(input_size_per_partition / bk)), UNLOADED_SCALE,
+                            dtype=torch.float32),
+            input_dim=1, output_dim=0, weight_loader=loader))
+
+    def process_weights_after_loading(self, layer) -> None:
+        if getattr(layer, "fp8_dequantized", False):
+            layer.weight = torch.nn.Parameter(layer.weight.data, requires_grad=False)
+            return
+        if bool((layer.weight_scale_inv.data == UNLOADED_SCALE).any()):
+            raise ValueError(
+                f"{layer.prefix}: the checkpoint gave this layer no (or not every) weight_scale_inv, so it is not "
+                "block-FP8 there; list it in quantization_config.modules_to_not_convert")
+        # plain parameters: the loaders' attributes are not needed any more
+        layer.weight = torch.nn.Parameter(layer.weight.data, requires_grad=False)
+        layer.weight_scale_inv = torch.nn.Parameter(layer.weight_scale_inv.data, requires_grad=False)
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from vllm_glm53.backends.cpu.fp8 import fp8_linear
+
+        if getattr(layer, "fp8_dequantized", False):
+            return torch.nn.functional.linear(x, layer.weight, bias)
+        shape = x.shape
+        out = fp8_linear(x.reshape(-1, shape[-1]), layer.weight, layer.weight_scale_inv, layer.fp8_parts,
+                         self.block_size)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*shape[:-1], out.shape[-1])
 
 
 @_vllm.register_weight_loader_v2_supported_method

@@ -11,10 +11,15 @@ scheme      linear layers                          routed experts
 =========== ====================================== ============================================
 fp8, cuda   vLLM ``Fp8LinearMethod`` (block FP8)   vLLM fused MoE, ``Fp8MoEMethod``, swiglu limit
 fp8, npu    MXFP8 ``npu_quant_matmul``              MXFP8 ``npu_grouped_matmul``
+fp8, cpu    kept FP8, compiled ``fp8_linear``       kept FP8, compiled ``moe_experts_fp8``
 fp8, other  dequantized at load (model dtype)       dequantized at load (model dtype)
 w8a8, npu   int8 ``npu_quant_matmul``               int8 ``npu_grouped_matmul``
 w8a8, other the plain-torch reference of the same   the plain-torch reference
 =========== ====================================== ============================================
+
+``cpu`` is a CPU whose compiled kernels are loaded and read the checkpoint's block size
+(``backends.cpu.fp8.fp8_weight_form``, logged once with the reason when it declines); other CPUs take the
+``reference`` row, which is also the numerical reference of the ``cpu`` one.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ _PLANS: dict[tuple, "LayerQuant | None"] = {}  # (checkpoint, revision, backend)
 
 
 def backend() -> str:
-    """``native`` (CUDA/ROCm FP8 kernels), ``npu`` (Ascend kernels) or ``reference`` (plain torch)."""
+    """``native`` (CUDA/ROCm FP8 kernels), ``npu`` (Ascend kernels) or ``reference`` (plain torch; on a CPU an
+    FP8 checkpoint may still get the ``cpu`` plan, see :func:`layer_quant`)."""
     kind = _vllm.platform_kind()
     if kind in ("cuda", "rocm"):
         return "native"
@@ -140,6 +146,10 @@ class LayerQuant(_vllm.QuantizationConfig):
             from vllm_glm53.quant.linear import Mxfp8LinearMethod
 
             return Mxfp8LinearMethod()
+        if scheme == "fp8" and self.backend == "cpu":
+            from vllm_glm53.quant.linear import CpuBlockFp8LinearMethod
+
+            return CpuBlockFp8LinearMethod(self.block_size)
         return _vllm.UnquantizedLinearMethod()  # BF16 in the checkpoint, or FP8 dequantized while loading
 
     # --- plan queries ---------------------------------------------------------------------------------------
@@ -151,6 +161,11 @@ class LayerQuant(_vllm.QuantizationConfig):
             raise ValueError(f"{', '.join(modules)} are fused into one layer but only some are "
                              f"{self.checkpoint.scheme} in the checkpoint")
         return self.checkpoint.scheme if stored.pop() else None
+
+    @property
+    def block_size(self) -> tuple[int, int]:
+        """The checkpoint's FP8 ``weight_block_size``."""
+        return tuple(int(b) for b in self.checkpoint.hf_quant_config.get("weight_block_size") or (128, 128))
 
     def experts_scheme(self, moe_prefix: str, num_experts: int) -> str | None:
         return self.scheme_of([f"{moe_prefix}.experts.{e}.{p}" for e in range(num_experts) for p in EXPERT_PROJS])
@@ -176,7 +191,8 @@ def _checkpoint_modules(prefix: str) -> list[str]:
 def layer_quant() -> LayerQuant | None:
     """The plan for the model being built: None for an unquantized checkpoint, outside an engine, and for FP8
     on ``reference`` platforms, whose layers stay unquantized while the loader dequantizes whatever arrives
-    with a scale."""
+    with a scale. On a CPU an FP8 checkpoint gets the ``cpu`` plan (weights kept FP8) when
+    ``backends.cpu.fp8.fp8_weight_form`` says the compiled kernels take them."""
     vllm_config = _vllm.get_current_vllm_config_or_none()
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is None:
@@ -186,7 +202,12 @@ def layer_quant() -> LayerQuant | None:
     # with dataclasses.replace for the MTP draft model, which refuses unknown attributes.)
     key = (str(model_config.model), getattr(model_config, "revision", None), name)
     if key not in _PLANS:
-        checkpoint = read_checkpoint_quant(model_config, fp8_names=name != "reference")
+        checkpoint = read_checkpoint_quant(model_config, fp8_names=False)
+        if checkpoint is not None and checkpoint.scheme == "fp8":
+            if name == "reference" and _fp8_resident_on_cpu(checkpoint):
+                name = "cpu"
+            if name != "reference":  # the plan needs to know which modules are FP8
+                checkpoint = read_checkpoint_quant(model_config)
         plan = None
         if checkpoint is not None and not (checkpoint.scheme == "fp8" and name == "reference"):
             plan = LayerQuant(checkpoint, name)
@@ -194,3 +215,12 @@ def layer_quant() -> LayerQuant | None:
                         checkpoint.scheme, len(checkpoint.modules), name)
         _PLANS[key] = plan
     return _PLANS[key]
+
+
+def _fp8_resident_on_cpu(checkpoint: CheckpointQuant) -> bool:
+    if _vllm.platform_kind() != "cpu":
+        return False
+    from vllm_glm53.backends.cpu.fp8 import fp8_weight_form
+
+    block = tuple(int(b) for b in checkpoint.hf_quant_config.get("weight_block_size") or (128, 128))
+    return fp8_weight_form(block) == "fp8"

@@ -1,0 +1,305 @@
+"""FP8-resident weights on CPU vs the BF16 copy the dequantize-at-load path keeps: decode step time of the FFN
+blocks (the part of a step the weight format changes), the memory-bandwidth floor, and resident memory.
+
+    .venv/bin/python benchmarks/bench_fp8_resident.py [--experts 64] [--layers 6] [--threads N] [--repeat 7]
+
+The geometry is the kernel-friendly tiny config's (hidden 512, dense intermediate 1024, expert intermediate 256:
+vllm_glm53/data/kernel_friendly.json) with many experts (``--experts``, top-8, one shared expert), layer 0 dense
+and the others MoE, block-FP8 with 128 x 128 blocks like the release. The weights are quantized from random
+values and written to a safetensors file; each side then loads that file as the serving model does:
+
+* ``fp8``: E4M3 bytes and float32 block scales, as ``CpuFp8Experts`` and ``CpuBlockFp8LinearMethod`` keep them;
+  the step runs the compiled ``moe_experts_fp8`` and ``fp8_linear``;
+* ``bf16``: every weight dequantized to bfloat16 (the default model dtype) as ``StackedExperts`` and vLLM's
+  unquantized linears keep them; the step runs the ``routed_experts`` op (compiled kernel for decode batches,
+  torch's GEMMs above its threshold) and torch's bfloat16 ``linear``.
+
+A step is every layer's FFN for a batch of tokens with fresh random routing per call (top-8 of the experts,
+distinct per token). Weights of all layers are several times the last-level cache, the caches are flushed before
+each timed step and the two sides never share a weight copy; medians of ``--repeat`` steps. Both sides' outputs
+are checked inside the benchmark against the float32 dequantize-then-multiply reference of the same weights.
+
+``floor`` = weight bytes a step reads (dense and shared weights, the experts the routing used, block scales) /
+copy bandwidth (a ``copy_`` between two buffers far larger than the caches, STREAM convention: read + written
+bytes per second). ``RSS`` is the growth of the process's anonymous resident memory while a side loads
+(``RssAnon``), against the checkpoint's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_glm53.backends.cpu import fp8 as fp8_ops  # noqa: E402
+from vllm_glm53.backends.cpu import kernels  # noqa: E402
+from vllm_glm53.backends.cpu import moe  # noqa: E402
+from vllm_glm53.quant.fp8_block import quantize_block_fp8  # noqa: E402
+
+BLOCK = (128, 128)
+HIDDEN, DENSE_INTER, MOE_INTER, TOPK, LIMIT = 512, 1024, 256, 8, 10.0
+WORKING_SET = 512 << 20
+_FLUSH = torch.ones(2 * (32 << 20) // 4)  # twice a 32 MiB L3
+
+
+def flush_caches() -> None:
+    _FLUSH.mul_(1.0)
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def copy_bandwidth(repeat: int) -> float:
+    src = torch.ones(WORKING_SET // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * WORKING_SET / statistics.median(times[1:])
+
+
+def write_checkpoint(path: Path, layers: int, experts: int) -> None:
+    """Block-FP8 FFN weights of ``layers`` layers (checkpoint names, one tensor per expert projection)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+
+    def add(name, n, k):
+        w, s = quantize_block_fp8(torch.randn(n, k, generator=gen) / k**0.5, BLOCK)
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = w, s
+
+    for layer in range(layers):
+        p = f"model.layers.{layer}.mlp"
+        if layer == 0:
+            add(f"{p}.gate_proj", DENSE_INTER, HIDDEN), add(f"{p}.up_proj", DENSE_INTER, HIDDEN)
+            add(f"{p}.down_proj", HIDDEN, DENSE_INTER)
+            continue
+        for e in range(experts):
+            add(f"{p}.experts.{e}.gate_proj", MOE_INTER, HIDDEN), add(f"{p}.experts.{e}.up_proj", MOE_INTER, HIDDEN)
+            add(f"{p}.experts.{e}.down_proj", HIDDEN, MOE_INTER)
+        add(f"{p}.shared_experts.gate_proj", MOE_INTER, HIDDEN), add(f"{p}.shared_experts.up_proj", MOE_INTER, HIDDEN)
+        add(f"{p}.shared_experts.down_proj", HIDDEN, MOE_INTER)
+    save_file(tensors, str(path))
+
+
+class Fp8Side:
+    """What the FP8-resident model keeps: fused gate|up weights with per-part scales, expert stacks."""
+
+    def __init__(self, f, layers: int, experts: int) -> None:
+        self.layers = []
+        for layer in range(layers):
+            p = f"model.layers.{layer}.mlp"
+            if layer == 0:
+                self.layers.append(("dense", self._fused(f, p, DENSE_INTER), self._one(f, f"{p}.down_proj")))
+                continue
+            w13 = torch.empty(experts, 2 * MOE_INTER, HIDDEN, dtype=torch.float8_e4m3fn)
+            s13 = torch.empty(experts, 2 * -(-MOE_INTER // 128), -(-HIDDEN // 128))
+            w2 = torch.empty(experts, HIDDEN, MOE_INTER, dtype=torch.float8_e4m3fn)
+            s2 = torch.empty(experts, -(-HIDDEN // 128), -(-MOE_INTER // 128))
+            for e in range(experts):
+                (w13[e], s13[e]), (w2[e], s2[e]) = self._fused(f, f"{p}.experts.{e}", MOE_INTER)[:2], \
+                    self._one(f, f"{p}.experts.{e}.down_proj")
+            self.layers.append(("moe", (w13, s13, w2, s2), self._fused(f, f"{p}.shared_experts", MOE_INTER),
+                                self._one(f, f"{p}.shared_experts.down_proj")))
+
+    @staticmethod
+    def _one(f, name):
+        return f.get_tensor(f"{name}.weight"), f.get_tensor(f"{name}.weight_scale_inv")
+
+    @classmethod
+    def _fused(cls, f, prefix, inter):
+        (g, gs), (u, us) = cls._one(f, f"{prefix}.gate_proj"), cls._one(f, f"{prefix}.up_proj")
+        return torch.cat([g, u]), torch.cat([gs, us]), [inter, inter]
+
+    def step(self, x, routing, compiled: bool = True):
+        linear = fp8_ops.fp8_linear if compiled else fp8_ops.fp8_linear_torch
+        experts = fp8_ops.routed_experts_fp8 if compiled else fp8_ops.routed_experts_fp8_torch
+        for i, entry in enumerate(self.layers):
+            if entry[0] == "dense":
+                (w, s, parts), (wd, sd) = entry[1], entry[2]
+                h = moe.clamped_swiglu(linear(x, w, s, parts, BLOCK), LIMIT)
+                x = x + linear(h, wd, sd, [HIDDEN], BLOCK)
+                continue
+            (w13, s13, w2, s2), (w, s, parts), (wd, sd) = entry[1:]
+            ids, weights = routing[i]
+            routed = experts(x, w13, s13, w2, s2, ids, weights, LIMIT, BLOCK)
+            shared = linear(moe.clamped_swiglu(linear(x, w, s, parts, BLOCK), LIMIT), wd, sd, [HIDDEN], BLOCK)
+            x = x + (routed.to(x.dtype) + shared)
+        return x
+
+    def bytes_read(self, routing) -> int:
+        total = 0
+        for i, entry in enumerate(self.layers):
+            if entry[0] == "dense":
+                total += sum(t.nbytes for t in (*entry[1][:2], *entry[2]))
+                continue
+            (w13, s13, w2, s2) = entry[1]
+            used = routing[i][0].unique().numel()
+            total += used * (w13[0].nbytes + s13[0].nbytes + w2[0].nbytes + s2[0].nbytes)
+            total += sum(t.nbytes for t in (*entry[2][:2], *entry[3]))
+        return total
+
+
+class Bf16Side:
+    """What the dequantize-at-load path keeps: everything in bfloat16."""
+
+    def __init__(self, f, layers: int, experts: int) -> None:
+        def deq(name):
+            w, s = Fp8Side._one(f, name)
+            return fp8_ops.dequantize_parts(w, s, [w.shape[0]], BLOCK, torch.bfloat16)
+
+        self.layers = []
+        for layer in range(layers):
+            p = f"model.layers.{layer}.mlp"
+            if layer == 0:
+                self.layers.append(("dense", torch.cat([deq(f"{p}.gate_proj"), deq(f"{p}.up_proj")]),
+                                    deq(f"{p}.down_proj")))
+                continue
+            w13 = torch.empty(experts, 2 * MOE_INTER, HIDDEN, dtype=torch.bfloat16)
+            w2 = torch.empty(experts, HIDDEN, MOE_INTER, dtype=torch.bfloat16)
+            for e in range(experts):
+                w13[e] = torch.cat([deq(f"{p}.experts.{e}.gate_proj"), deq(f"{p}.experts.{e}.up_proj")])
+                w2[e] = deq(f"{p}.experts.{e}.down_proj")
+            self.layers.append(("moe", w13, w2, torch.cat([deq(f"{p}.shared_experts.gate_proj"),
+                                                           deq(f"{p}.shared_experts.up_proj")]),
+                                deq(f"{p}.shared_experts.down_proj")))
+
+    def step(self, x, routing):
+        for i, entry in enumerate(self.layers):
+            if entry[0] == "dense":
+                x = x + F.linear(moe.clamped_swiglu(F.linear(x, entry[1]), LIMIT), entry[2])
+                continue
+            _, w13, w2, gate_up, down = entry
+            ids, weights = routing[i]
+            routed = moe.routed_experts(x, w13, w2, ids, weights, LIMIT)
+            shared = F.linear(moe.clamped_swiglu(F.linear(x, gate_up), LIMIT), down)
+            x = x + (routed.to(x.dtype) + shared)
+        return x
+
+    def bytes_read(self, routing) -> int:
+        total = 0
+        for i, entry in enumerate(self.layers):
+            if entry[0] == "dense":
+                total += entry[1].nbytes + entry[2].nbytes
+                continue
+            _, w13, w2, gate_up, down = entry
+            total += routing[i][0].unique().numel() * (w13[0].nbytes + w2[0].nbytes) + gate_up.nbytes + down.nbytes
+        return total
+
+
+def make_routing(layers, experts, T, gen):
+    """Per MoE layer: top-8 distinct experts per token and float32 routing weights (fresh per call)."""
+    routing = {}
+    for i in range(1, layers):
+        ids = torch.rand(T, experts, generator=gen).topk(TOPK, dim=-1).indices
+        routing[i] = (ids, torch.rand(T, TOPK, generator=gen) / TOPK)
+    return routing
+
+
+def median_step(side, dtype, T, layers, experts, repeat, seed) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    inputs = [(torch.randn(T, HIDDEN, generator=gen).to(dtype), make_routing(layers, experts, T, gen))
+              for _ in range(repeat + 1)]
+    side.step(*inputs[0])
+    times = []
+    for x, routing in inputs[1:]:
+        flush_caches()
+        t0 = time.perf_counter()
+        side.step(x, routing)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def check(fp8: Fp8Side, bf16: Bf16Side, layers, experts, T) -> tuple[float, float]:
+    """Relative max errors of both sides against the float32 dequantize-then-multiply step on the same weights
+    and input; stops the benchmark where either is off."""
+    gen = torch.Generator().manual_seed(99)
+    x = torch.randn(T, HIDDEN, generator=gen)
+    routing = make_routing(layers, experts, T, gen)
+    want = fp8.step(x, routing, compiled=False)
+    scale = want.abs().max().item()
+    err_fp8 = (fp8.step(x, routing) - want).abs().max().item() / scale
+    err_bf16 = (bf16.step(x.bfloat16(), routing).float() - want).abs().max().item() / scale
+    if err_fp8 > 1e-5:
+        raise SystemExit(f"batch {T}: FP8-resident step differs from the dequantized reference ({err_fp8:.2g})")
+    if err_bf16 > 5e-2:
+        raise SystemExit(f"batch {T}: BF16 step differs from the dequantized reference ({err_bf16:.2g})")
+    return err_fp8, err_bf16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--write", help=argparse.SUPPRESS)  # the child that writes the checkpoint
+    args = parser.parse_args()
+    if args.write:
+        write_checkpoint(Path(args.write), args.layers, args.experts)
+        return
+    torch.set_num_threads(args.threads)
+    if kernels.ops() is None:
+        raise SystemExit(f"needs the compiled kernels: {kernels.description()}")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "ffn.safetensors"
+        # written by a child process: memory this process freed would be reused by the loads without showing
+        subprocess.run([sys.executable, __file__, "--write", str(path), "--layers", str(args.layers),
+                        "--experts", str(args.experts)], check=True)
+        from safetensors import safe_open
+
+        ckpt_bytes = path.stat().st_size
+        gc.collect()
+        rss0 = rss_anon()
+        with safe_open(str(path), "pt") as f:
+            fp8 = Fp8Side(f, args.layers, args.experts)
+        gc.collect()
+        rss_fp8 = rss_anon() - rss0
+        with safe_open(str(path), "pt") as f:
+            bf16 = Bf16Side(f, args.layers, args.experts)
+        gc.collect()
+        rss_bf16 = rss_anon() - rss0 - rss_fp8
+    bw = copy_bandwidth(args.repeat)
+
+    print(f"# FP8-resident FFN decode step on CPU: {kernels.description()}; torch {torch.__version__}, "
+          f"{args.threads} threads; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
+    print(f"# {args.layers} layers (1 dense + {args.layers - 1} MoE), {args.experts} experts top-{TOPK} + 1 shared, "
+          f"hidden {HIDDEN}, expert intermediate {MOE_INTER}; checkpoint {ckpt_bytes / 2**20:.1f} MiB; "
+          f"RSS after load: fp8 {rss_fp8 / 2**20:.1f} MiB ({rss_fp8 / ckpt_bytes:.2f}x checkpoint), "
+          f"bf16 {rss_bf16 / 2**20:.1f} MiB ({rss_bf16 / ckpt_bytes:.2f}x)\n")
+    print("| batch | bf16 step (ms) | fp8 step (ms) | speed-up | fp8 bytes read (MiB) | fp8 floor (ms) "
+          "| fp8 / floor | bf16 floor (ms) | bf16 / floor | max rel. err fp8 / bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for T in args.batches:
+        err_fp8, err_bf16 = check(fp8, bf16, args.layers, args.experts, T)
+        t_bf16 = median_step(bf16, torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T)
+        t_fp8 = median_step(fp8, torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T)
+        routing = make_routing(args.layers, args.experts, T, torch.Generator().manual_seed(T))
+        b_fp8, b_bf16 = fp8.bytes_read(routing), bf16.bytes_read(routing)
+        print(f"| {T} | {t_bf16 * 1e3:.2f} | {t_fp8 * 1e3:.2f} | {t_bf16 / t_fp8:.2f}x | {b_fp8 / 2**20:.1f} "
+              f"| {b_fp8 / bw * 1e3:.2f} | {t_fp8 / (b_fp8 / bw):.2f} | {b_bf16 / bw * 1e3:.2f} "
+              f"| {t_bf16 / (b_bf16 / bw):.2f} | {err_fp8:.1e} / {err_bf16:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+// Weight rows dotted with a few token rows: the inner loops of the decode-sized matrix products (moe.cpp,
+// fp8_linear.cpp), and the block-FP8 pieces they share.
+//
+// Rows go R at a time (1 or 2) against up to kTok tokens at a time (4 with AVX-512, 2 with 16 vector registers),
+// so each loaded lane group of a weight row feeds kTok FMAs and R * kTok accumulators hide the FMA latency
+// without spilling.
+//
+// Block FP8 (weight[n, k] = float(e4m3[n, k]) * scale[n / bn, k / bk]) is computed two ways:
+//   direct  for a few tokens: the token rows are multiplied by one row block's scales (scale_by_blocks), then
+//           dotted with the E4M3 rows as they stream in (vec.h's E4M3 load), so every weight byte is read once
+//           and converted once per kTok tokens; nothing is written but the results.
+//   tile    for more tokens: a row is dequantized into a float32 buffer (dequantize_row) that stays in L1/L2
+//           and is dotted with every token of a chunk, so the conversion is paid once per row and chunk.
+#pragma once
+
+#include <type_traits>
+
+#include "common.h"
+
+namespace glm53 {
+
+// Tokens sharing each load of a weight row: 2 rows x kTok tokens of accumulators in registers (vec.h).
+constexpr int kTok = kVectorRegs >= 32 ? 4 : 2;
+constexpr int64_t kRowsPerTask = 16;        // weight rows per parallel task (a multiple of kLanes: see below)
+constexpr int64_t kAhead = 1;               // prefetch distance in row pairs
+constexpr int64_t kChunkBytes = 128 << 10;  // float32 token rows a task works through per pass over its rows
+// Tokens up to which block-FP8 products take the direct path. Each further group of kTok tokens converts the
+// E4M3 rows again (from L1: a row pair is a few KiB), against one float32 row write and re-read per row in the
+// tile path; two groups is about where the two cost the same.
+constexpr int64_t kDirectMaxTokens = 2 * kTok;
+// Float32 token rows per pass of the tile path: each pass dequantizes its rows once, so this bounds that work to
+// a small fraction of the dot products (K = 7168: 18 tokens per pass).
+constexpr int64_t kTileChunkBytes = 512 << 10;
+
+// Tokens per pass over a block of weight rows, so their ``len``-float rows stay in cache across the block.
+inline int64_t token_chunk(int64_t len, int64_t bytes = kChunkBytes) {
+  return std::max<int64_t>(kTok, bytes / (4 * std::max<int64_t>(len, 1)) / kTok * kTok);
+}
+
+// acc[r][j] = dot(rows[r], xs[j]) over len values for R rows and N tokens (float32 sums). ``ahead`` (or null):
+// R rows to prefetch meanwhile, the ones the caller reads next. W: float, bfloat16, float16 or E4m3 (whose rows
+// then read as value * 2^-8: the caller scales the tokens, see scale_by_blocks).
+template <int R, int N, typename W>
+inline void dot_block(const W* const* rows, std::type_identity_t<const W*> const* ahead, const float* const* xs, int64_t len,
+                      float (*acc)[kTok]) {
+  F16 s[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < N; ++j) s[r][j] = zero();
+  for (int64_t i = 0; i < len; i += kLanes) {
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, len - i));
+    if (ahead != nullptr)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(ahead[r] + i);
+    F16 w[R];
+    for (int r = 0; r < R; ++r) w[r] = load(rows[r] + i, m);
+    for (int j = 0; j < N; ++j) {
+      const F16 xv = load(xs[j] + i, m);
+      for (int r = 0; r < R; ++r) s[r][j] = fma(w[r], xv, s[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < N; ++j) acc[r][j] = reduce_add(s[r][j]);
+}
+
+// The same for 1..N tokens (n picks the instantiation).
+template <int R, int N = kTok, typename W>
+inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> const* ahead, const float* const* xs, int n, int64_t len,
+                       float (*acc)[kTok]) {
+  if constexpr (N > 1)
+    if (n < N) return dot_tokens<R, N - 1>(rows, ahead, xs, n, len, acc);
+  dot_block<R, N>(rows, ahead, xs, len, acc);
+}
+
+// 1 or 2 rows (``nr``) against ``n`` tokens, kTok at a time; acc[r][j] for j < n (n <= kDirectMaxTokens).
+// ``ahead`` is prefetched during the first group only (the later groups find the rows in cache).
+template <typename W>
+inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const* ahead, int nr, const float* const* xs, int n,
+                     int64_t len, float (*acc)[kDirectMaxTokens]) {
+  float part[2][kTok];
+  for (int j0 = 0; j0 < n; j0 += kTok) {
+    const int g = std::min(kTok, n - j0);
+    const W* const* pf = j0 == 0 ? ahead : nullptr;
+    if (nr == 2) dot_tokens<2>(rows, pf, xs + j0, g, len, part);
+    else dot_tokens<1>(rows, pf, xs + j0, g, len, part);
+    for (int r = 0; r < nr; ++r)
+      for (int j = 0; j < g; ++j) acc[r][j0 + j] = part[r][j];
+  }
+}
+
+// ---- block FP8 -------------------------------------------------------------------------------------------
+// Block sizes are multiples of kLanes (checked by the ops), so a lane group never straddles two blocks, and a
+// task's kRowsPerTask rows, starting at a multiple of kRowsPerTask inside a part, lie in one row block.
+
+// out[i] = x[i] * scale_row[i / bk] * 2^8, i < len: a token row times one row block's scales, for the direct
+// path's dot with E4M3 rows read as value * 2^-8.
+inline void scale_by_blocks(const float* x, const float* scale_row, int64_t len, int64_t bk, float* out) {
+  for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
+    const F16 s = set1(scale_row[kb] / kE4m3Unit);
+    const int64_t b1 = std::min(b0 + bk, len);
+    for (int64_t i = b0; i < b1; i += kLanes) {
+      const int m = static_cast<int>(std::min<int64_t>(kLanes, b1 - i));
+      store(out + i, load(x + i, m) * s, m);
+    }
+  }
+}
+
+// out[i] = float(w[i]) * scale_row[i / bk], i < len: one weight row dequantized. value * 2^-8 and scale * 2^8
+// are exact, so each product is float(w) * scale rounded once: the float32 values of the reference
+// dequantization (quant/fp8_block.py), bit for bit.
+inline void dequantize_row(const E4m3* w, const float* scale_row, int64_t len, int64_t bk, float* out) {
+  for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
+    const F16 s = set1(scale_row[kb] / kE4m3Unit);
+    const int64_t b1 = std::min(b0 + bk, len);
+    for (int64_t i = b0; i < b1; i += kLanes) {
+      const int m = static_cast<int>(std::min<int64_t>(kLanes, b1 - i));
+      store(out + i, load(w + i, m) * s, m);
+    }
+  }
+}
+
+// The block sizes and scale grid the block-FP8 ops accept ("what": the op, for the message).
+inline void check_fp8_blocks(const char* what, int64_t block_n, int64_t block_k) {
+  TORCH_CHECK(block_n > 0 && block_k > 0 && block_n % kRowsPerTask == 0 && block_k % kLanes == 0, what,
+              ": block sizes must be positive multiples of ", kRowsPerTask, " (rows) and ", kLanes,
+              " (columns), got [", block_n, ", ", block_k, "]");
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace glm53

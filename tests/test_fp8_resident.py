@@ -1,0 +1,293 @@
+"""FP8-resident weights on CPU (backends/cpu/fp8.py, csrc/fp8_linear.cpp, csrc/moe.cpp): the compiled block-FP8
+products against dequantize-then-multiply, and the layers that keep the checkpoint's bytes.
+
+Weights are quantized from random floats, then every block scale is multiplied by its own power of two in [1/4, 4]
+(exact), so blocks of one weight differ in magnitude by up to 16x: reading a neighbour's scale (a swapped axis, a
+ragged block, a fused part's offset) changes the output by far more than any tolerance here. Shapes have ragged
+last blocks in both directions, fused parts whose first block rows are ragged, and token counts on both kernel
+paths (direct: at most 2 x kTok tokens; tile: more). Outputs are compared in units of ``ulp(max|reference|)`` as
+in test_cpu_kernels.py; each tolerance is about 4x the largest error measured on the avx2 and the portable path.
+
+Every instruction set this CPU runs is checked: ``test_other_instruction_sets`` runs this module again in a
+subprocess for each path other than the loaded one. The engine side (an FP8 checkpoint served with resident
+weights gives the dequantized reference's tokens, and its parameters are E4M3) is in test_fp8_cpu.py, on the
+engine starts that were there already.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_cpu_kernels import _close, _gen
+from vllm_glm53.backends.cpu import build, kernels
+from vllm_glm53.backends.cpu import fp8 as fp8_ops
+from vllm_glm53.quant.fp8_block import quantize_block_fp8
+
+ops = kernels.ops()
+ISA = kernels.isa()
+BLOCK = (128, 128)
+E4M3 = torch.float8_e4m3fn
+SWIGLU_LIMIT = 0.5
+# float64 references are compared in float32 ulps: _close's unit is eps(reference dtype), so scale it
+F32_ULPS = torch.finfo(torch.float32).eps / torch.finfo(torch.float64).eps
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _kernels_loaded():
+    if ops is None:
+        if build.compiler() is None:
+            pytest.skip(f"no C++ compiler, so no CPU kernels: {kernels.description()}")
+        pytest.fail(f"CPU kernels not loaded although a compiler exists: {kernels.description()}", pytrace=False)
+
+
+OTHER_ISAS = [isa for isa in build.runnable_isas() if isa != ISA]
+
+
+@pytest.mark.parametrize("isa", OTHER_ISAS or [pytest.param(None, marks=pytest.mark.skip(
+    reason=f"this CPU runs only the {ISA} path, tested in this process"))])
+def test_other_instruction_sets(isa):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k",
+         "not other_instruction_sets and not layer"],
+        env={**os.environ, kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{kernels.ISA_ENV}={isa}:\n{proc.stdout[-8000:]}{proc.stderr[-2000:]}"
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+def _quantized(n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-FP8 ``[n, k]`` weight whose block scales vary by powers of two (see the module docstring)."""
+    w, s = quantize_block_fp8(torch.randn(n, k, generator=gen) / k**0.5, BLOCK)
+    return w, s * torch.pow(2.0, torch.randint(-2, 3, s.shape, generator=gen).float())
+
+
+def _fused(parts: list[int], k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parts quantized separately and stacked as vLLM's loaders stack them (scale rows at ceil(offset / bn))."""
+    pieces = [_quantized(n, k, gen) for n in parts]
+    return torch.cat([w for w, _ in pieces]), torch.cat([s for _, s in pieces])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The E4M3 conversion
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("M", [1, 9])  # the direct path and the tile path
+def test_every_e4m3_code_converts_exactly(M):
+    """All 256 codes (subnormals, both zeros, the largest +-448), through both kernel paths: one-hot tokens pick
+    one column of a weight holding every code, scale 1. e4m3fn's two NaN codes read as +-480 (csrc/vec.h)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    weight = torch.zeros(256, 20, dtype=torch.uint8)
+    for j in range(20):
+        weight[:, j] = codes.roll(j)
+    weight = weight.view(E4M3)
+    x = torch.zeros(M, 20)
+    x[torch.arange(M), torch.arange(M) % 20] = 1.0
+    got = ops.fp8_linear(x, weight, torch.ones(2, 1), [256], *BLOCK)
+    want = weight.float()
+    nan = want.isnan()
+    want[nan] = torch.where(weight.view(torch.uint8)[nan] >= 128, -480.0, 480.0)
+    torch.testing.assert_close(got, want[:, torch.arange(M) % 20].t(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dense linears
+# ---------------------------------------------------------------------------------------------------------
+
+# (parts, K): exact blocks; one ragged part in both directions; fused ragged parts (the second starts inside a
+# block row of the fused weight, its scales at row 2); three parts and a K below one lane group's multiple.
+LINEAR_SHAPES = [([256], 256), ([200], 320), ([200, 200], 320), ([72, 128, 40], 100)]
+
+
+@pytest.mark.parametrize("parts,K", LINEAR_SHAPES)
+@pytest.mark.parametrize("M", [1, 3, 16])  # direct path (up to 2 x kTok tokens), tile path
+def test_fp8_linear_matches_dequantize_then_matmul(parts, K, M):
+    gen = _gen(M * 100 + K)
+    weight, scale = _fused(parts, K, gen)
+    x = torch.randn(M, K + 5, generator=gen)[:, 2 : 2 + K]  # a strided view
+    got = ops.fp8_linear(x, weight, scale, parts, *BLOCK)
+    want = fp8_ops.fp8_linear_torch(x, weight, scale, parts, BLOCK)
+    assert got.dtype == torch.float32 and got.shape == (M, sum(parts))
+    # measured (ulps of max|reference|, avx2 / portable): 3.3 / 3.7
+    _close(got, want, ulps=16)
+
+
+@pytest.mark.parametrize("M", [1, 16])
+def test_fp8_linear_in_bfloat16(M):
+    """bfloat16 activations: computed in float32 from the exact weights, rounded once to bfloat16."""
+    gen = _gen(7 + M)
+    parts, K = [200, 200], 320
+    weight, scale = _fused(parts, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    got = ops.fp8_linear(x, weight, scale, parts, *BLOCK)
+    assert got.dtype == torch.bfloat16
+    want = fp8_ops.fp8_linear_torch(x.float(), weight, scale, parts, BLOCK)
+    # measured (ulps of max|reference|, in bfloat16 ulps, avx2 / portable): 0 / 0 (one rounding of nearly equal sums)
+    _close(got, want.bfloat16(), ulps=2)
+
+
+def test_fp8_linear_rejects_a_scale_grid_that_does_not_fit_the_parts():
+    gen = _gen(3)
+    weight, scale = _fused([200, 200], 320, gen)
+    with pytest.raises(RuntimeError, match=r"scale must be \[4, 3\]"):
+        ops.fp8_linear(torch.randn(1, 320), weight, scale[:3], [200, 200], *BLOCK)
+    with pytest.raises(RuntimeError, match="do not add up"):
+        ops.fp8_linear(torch.randn(1, 320), weight, scale, [200, 199], *BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Routed experts
+# ---------------------------------------------------------------------------------------------------------
+
+E, HOT = 6, 2  # expert 2 is every token's first choice but every fourth one's; experts 1 and 4 get none
+
+
+def _expert_stacks(D: int, inter: int, gen):
+    w13, s13, w2, s2 = [], [], [], []
+    for _ in range(E):
+        w, s = _fused([inter, inter], D, gen)
+        w13.append(w), s13.append(s)
+        w, s = _quantized(D, inter, gen)
+        w2.append(w), s2.append(s)
+    return torch.stack(w13), torch.stack(s13), torch.stack(w2), torch.stack(s2)
+
+
+def _experts_reference(x, w13, s13, w2, s2, ids, weights):
+    """The routed experts in float64 from the dequantized weights (which are exact in float32): the float32 torch
+    loop is itself several ulps off on these sums (measured 5-14 ulps), as much as the kernel, so it would
+    measure its own error."""
+    inter, D = w13.shape[1] // 2, w13.shape[2]
+    out = torch.zeros(x.shape[0], D, dtype=torch.float64)
+    for e in ids.unique().tolist():
+        w_up = fp8_ops.dequantize_parts(w13[e], s13[e], [inter, inter], BLOCK, torch.float64)
+        w_down = fp8_ops.dequantize_parts(w2[e], s2[e], [D], BLOCK, torch.float64)
+        for t, j in (ids == e).nonzero().tolist():
+            g, u = (w_up @ x[t].double()).split(inter)
+            h = F.silu(g.clamp(max=SWIGLU_LIMIT)) * u.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+            out[t] += weights[t, j].double() * (w_down @ h)
+    return out
+
+
+def _routing(T: int, k: int, gen):
+    used = [0, 2, 3, 5]
+    keys = torch.rand(T, len(used), generator=gen)
+    keys[torch.arange(T) % 4 != 3, used.index(HOT)] += 1.0
+    return torch.tensor(used)[keys.topk(k, dim=-1).indices], torch.rand(T, k, generator=gen)
+
+
+# T = 1: every expert on the direct path; 16, 40: the hot expert on the tile path, the others on the direct one
+# with 1 to 4 tokens.
+@pytest.mark.parametrize("D,inter", [(256, 128), (320, 200), (320, 72)])
+@pytest.mark.parametrize("T", [1, 16, 40])
+def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
+    gen = _gen(T * 1000 + inter)
+    w13, s13, w2, s2 = _expert_stacks(D, inter, gen)
+    ids, weights = _routing(T, 2, gen)
+    x = 4 * torch.randn(T, D, generator=gen)  # large enough that both clamps of the SwiGLU are active
+    got = ops.moe_experts_fp8(x, w13, s13, w2, s2, ids, weights, SWIGLU_LIMIT, *BLOCK)
+    assert got.dtype == torch.float32 and got.shape == (T, D)
+    # measured (float32 ulps of max|float64 reference|, avx2 / portable): 9.2 / 9.4
+    _close(got.double(), _experts_reference(x, w13, s13, w2, s2, ids, weights), ulps=F32_ULPS * 40)
+    # measured 13.7 on both: the plain-torch form (what runs where the kernel declines) computes the same
+    _close(fp8_ops.routed_experts_fp8_torch(x, w13, s13, w2, s2, ids, weights, SWIGLU_LIMIT, BLOCK).double(),
+           _experts_reference(x, w13, s13, w2, s2, ids, weights), ulps=F32_ULPS * 64)
+    g = torch.nn.functional.linear(x, fp8_ops.dequantize_parts(w13[HOT], s13[HOT], [inter, inter], BLOCK))
+    assert (g[:, :inter] > SWIGLU_LIMIT).any() and (g[:, inter:].abs() > SWIGLU_LIMIT).any()
+
+
+def test_fp8_experts_bfloat16_tokens():
+    gen = _gen(11)
+    w13, s13, w2, s2 = _expert_stacks(320, 200, gen)
+    ids, weights = _routing(5, 2, gen)
+    x = (4 * torch.randn(5, 320, generator=gen)).bfloat16()
+    got = ops.moe_experts_fp8(x, w13, s13, w2, s2, ids.int(), weights, SWIGLU_LIMIT, *BLOCK)
+    # measured (float32 ulps of max|float64 reference|, avx2 / portable): 5.9 / 5.2
+    _close(got.double(), _experts_reference(x.float(), w13, s13, w2, s2, ids, weights), ulps=F32_ULPS * 40)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The layers: what they keep after loading, and the dispatch
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _plan(modules: set[str]):
+    from vllm_glm53.quant.plan import CheckpointQuant, LayerQuant
+
+    return LayerQuant(CheckpointQuant("fp8", frozenset(modules), {"weight_block_size": list(BLOCK)}), "cpu")
+
+
+def test_fused_linear_layer_keeps_the_checkpoint_bytes_and_runs_the_kernel():
+    """A vLLM MergedColumnParallelLinear (gate | up of 200 rows each: the up part's scales start at row 2) with
+    the CPU plan: the loaders keep E4M3 bytes and scales, nothing dequantized, and the layer's output is the
+    dequantized reference's."""
+    from vllm_glm53 import _vllm
+    from vllm_glm53.backends.dispatch import decisions
+    from vllm_glm53.quant.fp8 import BlockFp8Weight, block_fp8_parts
+    from vllm_glm53.quant.linear import CpuBlockFp8LinearMethod
+
+    gen = _gen(21)
+    K, inter = 320, 200
+    gate, up = _quantized(inter, K, gen), _quantized(inter, K, gen)
+    with _vllm.standalone_model_parallel():
+        layer = _vllm.MergedColumnParallelLinear(K, [inter, inter], bias=False, quant_config=_plan(
+            {"m.gate_proj", "m.up_proj"}), prefix="m.gate_up_proj")
+        assert isinstance(layer.quant_method, CpuBlockFp8LinearMethod)
+        params = dict(layer.named_parameters())
+        for shard, (w, s) in enumerate((gate, up)):
+            for leaf, part in block_fp8_parts(BlockFp8Weight(w, s), params):
+                params[leaf].weight_loader(params[leaf], part, shard)
+        _vllm.finish_loading(layer)
+        assert layer.weight.dtype == E4M3 and layer.weight.nbytes == 2 * inter * K
+        assert layer.weight_scale_inv.dtype == torch.float32 and layer.weight_scale_inv.shape == (4, 3)
+        assert torch.equal(layer.weight.view(torch.uint8), torch.cat([gate[0], up[0]]).view(torch.uint8))
+        x = torch.randn(3, K, generator=gen)
+        got, _ = layer(x)
+    want = x @ torch.cat([fp8_ops.dequantize_parts(w, s, [inter], BLOCK) for w, s in (gate, up)]).t()
+    _close(got, want, ulps=16)  # measured 1.6 (avx2)
+    assert ("fp8_linear", "compiled", ()) in decisions()
+
+
+def test_expert_layer_keeps_the_checkpoint_bytes():
+    """CpuFp8Experts filled from per-expert checkpoint tensors (ragged I = 72): E4M3 stacks, gate and up scales
+    in their own block rows, and the forward of the dequantized reference."""
+    from vllm_glm53.model.moe_routing import route
+    from vllm_glm53.quant.experts import CpuFp8Experts
+    from vllm_glm53.quant.fp8 import BlockFp8Weight
+
+    gen = _gen(31)
+    D, inter, k = 320, 72, 2
+    bias = torch.zeros(E)
+    router = lambda logits: route(logits, bias, k, 1, 1, True, 1.0)  # noqa: E731
+    experts = CpuFp8Experts(E, D, inter, 0, SWIGLU_LIMIT, router, BLOCK)
+    ckpt = {}
+    for e in range(E):
+        for which, shape in (("gate_proj", (inter, D)), ("up_proj", (inter, D)), ("down_proj", (D, inter))):
+            ckpt[e, which] = _quantized(*shape, gen)
+            experts.load(e, which, "weight", BlockFp8Weight(*ckpt[e, which]))
+    assert experts.w13.dtype == E4M3 and experts.w2.dtype == E4M3
+    assert experts.w13.nbytes + experts.w2.nbytes == E * 3 * inter * D
+    assert torch.equal(experts.w13_scale_inv[3, 1], ckpt[3, "up_proj"][1][0])  # up's scales at row ceil(72/128)
+    x, logits = 4 * torch.randn(9, D, generator=gen), torch.randn(9, E, generator=gen)
+    got = experts(x, logits)
+    weights, ids = router(logits)
+    w13 = torch.stack([torch.cat([ckpt[e, p][0] for p in ("gate_proj", "up_proj")]) for e in range(E)])
+    s13 = torch.stack([torch.cat([ckpt[e, p][1] for p in ("gate_proj", "up_proj")]) for e in range(E)])
+    w2, s2 = (torch.stack([ckpt[e, "down_proj"][i] for e in range(E)]) for i in (0, 1))
+    _close(got.double(), _experts_reference(x, w13, s13, w2, s2, ids, weights), ulps=F32_ULPS * 40)  # measured 6.8
+
+
+def test_weight_form_says_why_it_declines():
+    assert fp8_ops.fp8_weight_form(BLOCK) == "fp8"
+    assert fp8_ops.fp8_weight_form((128, 100)) == "dequantized"
+    from vllm_glm53.backends.dispatch import decisions
+
+    assert ("fp8_weight_form", "torch", ("compiled declined: block [128, 100] is not a multiple of 16 on both "
+                                         "sides",)) in decisions()

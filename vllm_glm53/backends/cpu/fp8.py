@@ -1,0 +1,149 @@
+"""Block-FP8 weights kept resident on the CPU: ``W[n, k] = float(W8[n, k]) * scale[n // bn, k // bk]`` stays as
+E4M3 bytes plus float32 block scales, and the compiled kernels (csrc/fp8_linear.cpp, csrc/moe.cpp) dequantize
+inside the products. Decode reads each weight byte once, half the traffic of a bfloat16 copy (a quarter of a
+float32 one), and the weights take the checkpoint's size in memory.
+
+Three ops (:class:`~vllm_glm53.backends.dispatch.Op`):
+
+* :data:`fp8_weight_form` decides, once per model, what an FP8 checkpoint's weights become on this CPU:
+  ``fp8`` (resident; the compiled kernels are loaded and read the checkpoint's block size) or ``dequantized``
+  (the dequantize-at-load path of :mod:`vllm_glm53.quant.fp8`, which runs without the kernels and is the
+  numerical reference). Its log line says which, and why the resident form declined.
+* :data:`fp8_linear` (dense linears) and :data:`routed_experts_fp8` (the routed experts, with the clamped
+  SwiGLU): the compiled kernels, and plain-torch forms that dequantize and multiply (the references the kernels
+  are tested against; they run on any device).
+
+Fused weights (gate | up, q | k | v) are several checkpoint tensors stacked along the rows, each with its own
+block grid and ragged last block: ``parts`` lists their row counts, and part ``p``'s scale rows start at
+``ceil(row offset of p / bn)`` (where vLLM's fused-parameter loaders put them). The stacked experts' ``w13`` is
+such a weight with parts ``[I, I]`` per expert.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from vllm_glm53.backends.cpu import kernels
+from vllm_glm53.backends.cpu.moe import routed_experts_torch
+from vllm_glm53.backends.dispatch import Op, _compiled_status, compiled_kernels_check
+from vllm_glm53.quant.fp8_block import dequantize_block_fp8
+
+__all__ = ["fp8_linear", "fp8_weight_form", "routed_experts_fp8", "scale_rows"]
+
+# The kernels work on lane groups of 16 columns and tasks of 16 rows that must not straddle a block.
+_BLOCK_MULTIPLE = 16
+
+
+def scale_rows(parts: list[int], block_n: int) -> int:
+    """Rows of the block-scale tensor of a weight fused from ``parts`` (the last part's first scale row plus its
+    row blocks)."""
+    return math.ceil((sum(parts) - parts[-1]) / block_n) + math.ceil(parts[-1] / block_n)
+
+
+def _block_reason(block: tuple[int, int]) -> str | None:
+    bn, bk = block
+    if bn <= 0 or bk <= 0 or bn % _BLOCK_MULTIPLE or bk % _BLOCK_MULTIPLE:
+        return f"block {list(block)} is not a multiple of {_BLOCK_MULTIPLE} on both sides"
+    return None
+
+
+# --- the form of the weights -------------------------------------------------------------------------------
+
+fp8_weight_form = Op("fp8_weight_form")
+
+
+def _resident_check(block: tuple[int, int]) -> str | None:
+    return _compiled_status() or _block_reason(block)
+
+
+@fp8_weight_form.register("compiled", _resident_check)
+def _resident(block: tuple[int, int]) -> str:
+    return "fp8"
+
+
+@fp8_weight_form.register("torch")
+def fp8_weight_form_torch(block: tuple[int, int]) -> str:
+    """What the block-FP8 weights (``block`` = the checkpoint's ``weight_block_size``) of a checkpoint become on
+    this CPU: ``"fp8"`` (kept as E4M3 bytes with their scales) or ``"dequantized"`` (into the model dtype at load)."""
+    return "dequantized"
+
+
+# --- dense linears -----------------------------------------------------------------------------------------
+
+fp8_linear = Op("fp8_linear")
+_linear_tensors = compiled_kernels_check(lambda x, weight, scale, parts, block: (x,))
+
+
+def _linear_check(x, weight, scale, parts, block):
+    if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
+        return f"needs float8_e4m3fn weights with float32 scales, got {weight.dtype} / {scale.dtype}"
+    return _linear_tensors(x, weight, scale, parts, block) or _block_reason(block)
+
+
+@fp8_linear.register("compiled", _linear_check)
+def _fp8_linear_compiled(x, weight, scale, parts, block):
+    return kernels.ops().fp8_linear(x, weight, scale, list(parts), int(block[0]), int(block[1]))
+
+
+@fp8_linear.register("torch")
+def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, parts: list[int],
+                     block: tuple[int, int]) -> torch.Tensor:
+    """``x @ W^T`` for a block-FP8 weight: x ``[M, K]``, weight ``[N, K]`` float8_e4m3fn, scale float32
+    ``[scale_rows(parts, bn), ceil(K / bk)]``, parts: row counts of the fused tensors (summing to N). Returns
+    ``[M, N]`` in x's dtype, computed in float32.
+
+    Plain torch (any device): the weight dequantized to float32 part by part, then one matmul."""
+    return F.linear(x.float(), dequantize_parts(weight, scale, parts, block)).to(x.dtype)
+
+
+def dequantize_parts(weight: torch.Tensor, scale: torch.Tensor, parts: list[int], block: tuple[int, int],
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float values of a block-FP8 weight fused from ``parts`` (see the module docstring)."""
+    bn = block[0]
+    pieces, row = [], 0
+    for n in parts:
+        first = math.ceil(row / bn)
+        pieces.append(dequantize_block_fp8(weight[row : row + n], scale[first : first + math.ceil(n / bn)],
+                                           tuple(block), dtype=dtype))
+        row += n
+    return torch.cat(pieces)
+
+
+# --- routed experts ----------------------------------------------------------------------------------------
+
+routed_experts_fp8 = Op("routed_experts_fp8")
+_expert_tensors = compiled_kernels_check(lambda x, w13, w13_scale, w2, w2_scale, ids, weights, limit, block: (x,))
+
+
+def _experts_check(x, w13, w13_scale, w2, w2_scale, ids, weights, limit, block):
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        return f"needs float8_e4m3fn experts, got {w13.dtype} / {w2.dtype}"
+    return _expert_tensors(x, w13, w13_scale, w2, w2_scale, ids, weights, limit, block) or _block_reason(block)
+
+
+@routed_experts_fp8.register("compiled", _experts_check)
+def _routed_experts_fp8_compiled(x, w13, w13_scale, w2, w2_scale, ids, weights, limit, block):
+    return kernels.ops().moe_experts_fp8(x, w13, w13_scale, w2, w2_scale, ids, weights, float(limit),
+                                         int(block[0]), int(block[1]))
+
+
+@routed_experts_fp8.register("torch")
+def routed_experts_fp8_torch(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                             w2_scale: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float,
+                             block: tuple[int, int]) -> torch.Tensor:
+    """:func:`~vllm_glm53.backends.cpu.moe.routed_experts_torch` on block-FP8 stacks: w13 ``[E, 2I, D]`` and w2
+    ``[E, D, I]`` float8_e4m3fn, w13_scale ``[E, 2 ceil(I/bn), ceil(D/bk)]`` (gate blocks, then up blocks),
+    w2_scale ``[E, ceil(D/bn), ceil(I/bk)]``. Returns ``[T, D]`` float32.
+
+    Plain torch (any device): the experts that received tokens dequantized to float32, then the unquantized loop."""
+    inter = w13.shape[1] // 2
+    used = torch.unique(ids).tolist()
+    w13_f = torch.zeros(w13.shape, dtype=torch.float32, device=x.device)
+    w2_f = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
+    for e in used:
+        w13_f[e] = dequantize_parts(w13[e], w13_scale[e], [inter, inter], block)
+        w2_f[e] = dequantize_parts(w2[e], w2_scale[e], [w2.shape[1]], block)
+    return routed_experts_torch(x.float(), w13_f, w2_f, ids, weights, limit)
