@@ -1,0 +1,108 @@
+"""Long prompts and multi-turn chat on CPU (issue #17): chunked prefill and prefix caching, end to end.
+
+vLLM's defaults apply (chunked prefill, prefix caching in vLLM's block-aligned "align" mode for the KDA state,
+block 128). Three engines, one per token budget, on float32 tiny checkpoints whose ``index_topk`` (8) is many
+times smaller than the prompts (100 to 3,000 tokens), each batch run with ``max_num_seqs=3`` and the short prompt
+first and long-lived, so the running requests' decodes take part of each step's budget, chunk edges fall at odd
+positions and indexer pools straddle them:
+
+* ``kpool 4``, budget 32, prefix caching on: every prompt in chunks of 32 tokens or fewer;
+* ``kpool 2``, budget 64, prefix caching on;
+* ``kpool 2``, budget 512, prefix caching off (chunk ends where the budget runs out, not at block edges).
+
+Every run matches transformers' greedy tokens and logprobs; transformers computes each prompt in one pass, so this
+is also the comparison with an unchunked run (the parity tests in test_model_parity.py run vLLM unchunked). The
+two ``kpool 2`` engines then hold the same 3-turn conversation (each turn's prompt is the previous prompt + reply +
+a new message): the cached run reuses its earlier turns' blocks (KDA state snapshots at block edges, latent and
+indexer rows from the cached pages) and must give exactly the uncached run's outputs.
+
+Cost: three engine starts and transformers on six prompts (one of 3,000 tokens).
+"""
+
+import random
+
+import pytest
+
+from conftest import hf_greedy, hf_model, prompt_set, run_engine
+
+pytestmark = pytest.mark.engine
+
+# (prompt lengths, max_tokens): the short prompt first and long-lived, so it decodes while the long one prefills
+BATCH_K4 = ([100, 3000, 700], [24, 4, 8])
+BATCH_K2 = ([130, 1500, 900], [20, 4, 8])
+LOGPROB_ATOL = 2e-4  # float32 summation order only (test_model_parity measures ~1e-5)
+CONVERSATION_TURNS = (600, 150, 150)  # tokens of each new message
+CONVERSATION_REPLY = 6
+ENGINE = {"max_model_len": 4096, "max_num_seqs": 3}
+
+
+def assert_matches(got, want, what, atol=LOGPROB_ATOL):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g["token_ids"] == w["token_ids"], f"{what}, prompt {i}: {g['token_ids']} != {w['token_ids']}"
+        assert len(g["logprobs"]) == len(w["logprobs"]) == len(w["token_ids"])
+        diffs = [abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"])]
+        assert max(diffs) < atol, f"{what}, prompt {i}: logprob differences {diffs}"
+
+
+def conversation(vocab_size: int) -> dict:
+    """New messages of random ordinary tokens (no overlap with the batch prompts' corpus text)."""
+    rng = random.Random(17)
+    return {"turns": [[rng.randrange(3, vocab_size - 64) for _ in range(n)] for n in CONVERSATION_TURNS],
+            "max_tokens": CONVERSATION_REPLY}
+
+
+@pytest.fixture(scope="module")
+def kpool4(tiny_ckpt):
+    path = tiny_ckpt("long-kpool4", overrides={"index_topk": 8, "index_kpool": 4}, seed=3)
+    lengths, max_tokens = BATCH_K4
+    prompts = prompt_set(path, lengths)
+    return path, prompts, max_tokens, hf_greedy(hf_model(path), prompts, max_tokens)
+
+
+@pytest.fixture(scope="module")
+def kpool2(tiny_ckpt):
+    path = tiny_ckpt("long-kpool2", overrides={"index_topk": 8, "index_kpool": 2}, seed=4)
+    lengths, max_tokens = BATCH_K2
+    prompts = prompt_set(path, lengths)
+    return path, prompts, max_tokens, hf_greedy(hf_model(path), prompts, max_tokens)
+
+
+@pytest.fixture(scope="module")
+def cached64(kpool2):
+    path, prompts, max_tokens, _ = kpool2
+    return run_engine(path, prompts, max_tokens, logprobs=1, conversation=conversation(512),
+                      engine={**ENGINE, "max_num_batched_tokens": 64})
+
+
+@pytest.fixture(scope="module")
+def uncached512(kpool2):
+    path, prompts, max_tokens, _ = kpool2
+    return run_engine(path, prompts, max_tokens, logprobs=1, conversation=conversation(512),
+                      engine={**ENGINE, "max_num_batched_tokens": 512, "enable_prefix_caching": False})
+
+
+def test_chunks_of_32_match_transformers(kpool4):
+    path, prompts, max_tokens, want = kpool4
+    got = run_engine(path, prompts, max_tokens, logprobs=1, engine={**ENGINE, "max_num_batched_tokens": 32})
+    assert_matches(got, want, "budget 32")
+
+
+def test_chunks_of_64_with_pools_of_2_match_transformers(kpool2, cached64):
+    assert_matches(cached64[0], kpool2[3], "budget 64")
+
+
+def test_chunks_of_512_without_prefix_caching_match_transformers(kpool2, uncached512):
+    assert_matches(uncached512[0], kpool2[3], "budget 512")
+
+
+def test_conversation_reuses_cached_prefixes_with_unchanged_outputs(cached64, uncached512):
+    cached, uncached = cached64[1], uncached512[1]
+    assert [t["prompt_token_ids"] for t in cached] == [t["prompt_token_ids"] for t in uncached]
+    assert_matches(cached, uncached, "conversation, prefix caching on vs off")
+    print("prefix-cache hits per turn:", [(t["prefix_cache_hits"], t["prefix_cache_queries"]) for t in cached])
+    assert all(t["prefix_cache_hits"] == 0 for t in uncached)
+    for i, turn in enumerate(cached[1:], start=1):
+        # every full block of the previous turn's prompt is reused (align mode: block 128)
+        reusable = len(cached[i - 1]["prompt_token_ids"]) // 128 * 128
+        assert turn["prefix_cache_hits"] >= reusable > 0, f"turn {i + 1}: {turn['prefix_cache_hits']} hits"
