@@ -40,7 +40,7 @@ pytestmark = pytest.mark.engine
 BATCH_K4 = ([100, 3000, 700], [24, 4, 8])
 BATCH_K2 = ([130, 1500, 900], [20, 4, 8])
 LOGPROB_ATOL = 2e-4  # float32 summation order only (test_model_parity measures ~1e-5)
-NEAR_TIE_POSITIONS, NEAR_TIE_ATOL = 0.001, 0.02  # prompt positions where a near-tied pool selection may flip
+NEAR_TIE_POSITIONS, NEAR_TIE_ATOL = 0.005, 0.02  # prompt positions where a near-tied pool selection may flip
 CONVERSATION_TURNS = (600, 150, 150)  # tokens of each new message
 CONVERSATION_REPLY = 6
 ENGINE = {"max_model_len": 4096, "max_num_seqs": 3}
@@ -72,9 +72,10 @@ def assert_matches_transformers(path, prompts, got, what, atol=LOGPROB_ATOL):
         off = sorted(((d, j + 1) for j, d in enumerate(diffs) if d >= atol), reverse=True)
         print(f"{what}, prompt {i}: {len(off)} of {len(diffs)} prompt positions off by >= {atol}: {off[:5]}")
         # Near-ties: the indexer keeps the best index_topk // kpool pools by score, and float32 summation order
-        # (chunk by chunk vs one pass) can swap two pools whose scores agree to ~1e-6. Such a swap moves one
-        # position by a few 1e-3 (measured: one position of the 3,000-token prompt, 0.0037); a chunk-edge bug
-        # moves many, by tenths (see the module docstring).
+        # (chunks of 32 vs one pass, in the KDA recurrence as in the scores) can swap two pools whose scores agree
+        # to ~1e-6. Such a swap moves one position by a few 1e-3 (measured, budget 32, 3,000-token prompt: 6 of
+        # 2,999 positions, all past position 2,600, at most 0.0037; none in the shorter prompts); a chunk-edge bug
+        # moves positions after the edge by tenths (see the module docstring).
         assert len(off) <= NEAR_TIE_POSITIONS * len(diffs) and (not off or off[0][0] < NEAR_TIE_ATOL), (
             f"{what}, prompt {i}: prompt positions off by more than {atol}: {off[:10]}")
         n = len(prompt)
