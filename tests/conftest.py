@@ -57,10 +57,12 @@ class EngineRunError(AssertionError):
 
 
 def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=False, timeout=900,
-               env=None, metrics=False, prompt_logprobs=False, model_values=()):
+               env=None, metrics=False, prompt_logprobs=False, model_values=(), conversation=None):
     """Greedy generation through ``vllm.LLM`` in a fresh process; returns token ids (and logprobs) per prompt,
     and with ``metrics=True`` also the engine's counters: ``(results, {name: value})``; with ``model_values``
-    (dotted attribute paths of the model) ``(results, [{name: str(value)} per worker])``."""
+    (dotted attribute paths of the model) ``(results, [{name: str(value)} per worker])``. With ``conversation``
+    (``{"turns": [ids, ...], "max_tokens": n}``, see engine_runner.py) the same engine then holds that
+    conversation: ``(results, turns)``."""
     import tempfile
 
     if isinstance(max_tokens, int):
@@ -70,6 +72,7 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
         spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
                                     "engine": engine or {}, "logprobs": logprobs, "ignore_eos": ignore_eos,
                                     "metrics": metrics, "prompt_logprobs": prompt_logprobs,
+                                    "conversation": conversation,
                                     **({"model_values": list(model_values)} if model_values else {})}))
         proc = subprocess.run([sys.executable, str(TESTS / "engine_runner.py"), str(spec), str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
@@ -79,6 +82,8 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
         results = json.loads(out.read_text())
         if model_values:
             return results["outputs"], results["model_values"]
+        if conversation:
+            return results, json.loads(Path(str(out) + ".conversation.json").read_text())
         if metrics:
             return results, json.loads(Path(str(out) + ".metrics.json").read_text())
         return results

@@ -5,6 +5,10 @@
 SPEC: {"model": path, "prompts": [[ids...], ...], "max_tokens": [n, ...], "engine": {LLM kwargs},
        "ignore_eos": bool, "logprobs": k, "prompt_logprobs": bool, "metrics": bool}
 With "metrics", the engine's counters and gauges (vllm:*) are written to OUT.metrics.json.
+With "conversation": {"turns": [[ids...], ...], "max_tokens": n}, after the batch the engine also holds a
+conversation, one generate call per turn: turn i's prompt is turn i-1's prompt + its reply + turns[i] (turn 0's
+prompt is turns[0]). OUT.conversation.json: per turn {"prompt_token_ids", "token_ids", "logprobs",
+"prefix_cache_queries", "prefix_cache_hits"} (the engine's prefix-cache counters over that turn).
 OUT: one {"token_ids", "logprobs", "prompt_token_ids"} per prompt (prompt ids as the engine saw them), and with
 "prompt_logprobs" also "prompt_logprobs": per prompt position after the first, [logprob of the prompt's token
 there, the engine's most likely token there].
@@ -52,6 +56,23 @@ def _prompt(ids: list[int], mm_entry: dict | None) -> dict:
     return prompt
 
 
+def _counter(llm, name: str) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == name and hasattr(m, "value"))
+
+
+def _converse(llm, SamplingParams, conversation: dict, logprobs: int) -> list[dict]:
+    params = SamplingParams(max_tokens=conversation["max_tokens"], temperature=0.0, logprobs=logprobs)
+    turns, prompt = [], []
+    for message in conversation["turns"]:
+        prompt = prompt + (turns[-1]["token_ids"] if turns else []) + message
+        before = {n: _counter(llm, f"vllm:prefix_cache_{n}") for n in ("queries", "hits")}
+        c = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        turns.append({"prompt_token_ids": prompt, "token_ids": list(c.token_ids),
+                      "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])],
+                      **{f"prefix_cache_{n}": _counter(llm, f"vllm:prefix_cache_{n}") - v for n, v in before.items()}})
+    return turns
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
     if spec.get("model_attrs") or spec.get("model_values"):
@@ -61,7 +82,7 @@ def main(spec_path: str, out_path: str) -> None:
     # vLLM's defaults otherwise (prefix caching included): what `LLM(model=CKPT)` gets must start on CPU
     engine = dict(max_model_len=1024, enforce_eager=True, dtype="float32")
     engine.update(spec.get("engine", {}))
-    if spec.get("metrics"):
+    if spec.get("metrics") or spec.get("conversation"):
         engine["disable_log_stats"] = False  # LLM() keeps no statistics otherwise
     llm = LLM(model=spec["model"], **engine)
     params = [
@@ -80,6 +101,9 @@ def main(spec_path: str, out_path: str) -> None:
             result[-1]["prompt_logprobs"] = [
                 [lp[t].logprob, next(k for k, v in lp.items() if v.rank == 1)]
                 for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
+    if spec.get("conversation"):
+        json.dump(_converse(llm, SamplingParams, spec["conversation"], spec.get("logprobs", 0)),
+                  open(out_path + ".conversation.json", "w"))
     if spec.get("metrics"):  # counters and gauges by name, next to OUT
         metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
         json.dump(metrics, open(out_path + ".metrics.json", "w"))

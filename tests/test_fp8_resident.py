@@ -228,7 +228,7 @@ def test_fused_linear_layer_keeps_the_checkpoint_bytes_and_runs_the_kernel():
     """A vLLM MergedColumnParallelLinear (gate | up of 200 rows each: the up part's scales start at row 2) with
     the CPU plan: the loaders keep E4M3 bytes and scales, nothing dequantized, and the layer's output is the
     dequantized reference's."""
-    from vllm_glm53 import _vllm
+    from vllm_glm53 import _vllm, testing
     from vllm_glm53.backends.dispatch import decisions
     from vllm_glm53.quant.fp8 import BlockFp8Weight, block_fp8_parts
     from vllm_glm53.quant.linear import CpuBlockFp8LinearMethod
@@ -236,7 +236,7 @@ def test_fused_linear_layer_keeps_the_checkpoint_bytes_and_runs_the_kernel():
     gen = _gen(21)
     K, inter = 320, 200
     gate, up = _quantized(inter, K, gen), _quantized(inter, K, gen)
-    with _vllm.standalone_model_parallel():
+    with testing.standalone_model_parallel():
         layer = _vllm.MergedColumnParallelLinear(K, [inter, inter], bias=False, quant_config=_plan(
             {"m.gate_proj", "m.up_proj"}), prefix="m.gate_up_proj")
         assert isinstance(layer.quant_method, CpuBlockFp8LinearMethod)
@@ -244,7 +244,7 @@ def test_fused_linear_layer_keeps_the_checkpoint_bytes_and_runs_the_kernel():
         for shard, (w, s) in enumerate((gate, up)):
             for leaf, part in block_fp8_parts(BlockFp8Weight(w, s), params):
                 params[leaf].weight_loader(params[leaf], part, shard)
-        _vllm.finish_loading(layer)
+        testing.finish_loading(layer)
         assert layer.weight.dtype == E4M3 and layer.weight.nbytes == 2 * inter * K
         assert layer.weight_scale_inv.dtype == torch.float32 and layer.weight_scale_inv.shape == (4, 3)
         assert torch.equal(layer.weight.view(torch.uint8), torch.cat([gate[0], up[0]]).view(torch.uint8))

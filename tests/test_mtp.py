@@ -36,7 +36,8 @@ def reference(tiny_ckpt):
 def test_speculation_keeps_greedy_outputs(reference, method, n):
     path, prompts, want = reference
     got, metrics = run_engine(path, prompts, MAX_TOKENS, metrics=True, engine={
-        "max_num_seqs": 4, "speculative_config": {"method": method, "num_speculative_tokens": n}})
+        "max_num_seqs": 4, "enable_prefix_caching": False,
+        "speculative_config": {"method": method, "num_speculative_tokens": n}})
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g["token_ids"] == w["token_ids"], f"prompt {i} with {method} n={n}"
@@ -47,7 +48,8 @@ def test_speculation_keeps_greedy_outputs(reference, method, n):
 def test_speculation_with_tensor_parallel_2(reference):
     path, prompts, want = reference
     got = run_engine(path, prompts, MAX_TOKENS, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, engine={
-        "tensor_parallel_size": 2, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}})
+        "tensor_parallel_size": 2, "enable_prefix_caching": False,
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}})
     assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
 
 
@@ -58,7 +60,7 @@ def test_exact_drafts_are_accepted_and_save_steps(tiny_ckpt, tmp_path):
     prompts = prompt_set(path, [5, 30, 120])
     want = hf_greedy(hf_model(path), prompts, 24)
     got, metrics = run_engine(path, prompts, 24, metrics=True, engine={
-        "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}})
+        "enable_prefix_caching": False, "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}})
     assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
     acceptance = _acceptance(metrics)
     tokens = sum(len(g["token_ids"]) for g in got)

@@ -80,5 +80,16 @@ def test_vllm_sizes_hybrid_pages_by_the_plugins_cache_row(tiny_ckpt):
     ckpt = tiny_ckpt()
     text = json.loads((ckpt / "config.json").read_text())["text_config"]
     config = ModelConfig(model=str(ckpt))
-    assert config.use_mla
-    assert config.get_head_size() == text["kv_lora_rank"] + 2 * text["index_head_dim"]
+    assert not config.use_mla  # vLLM's MLA policies (on CPU: block 16, no chunked prefill) are not for our backend
+    row = text["kv_lora_rank"] + 2 * text["index_head_dim"]
+    assert config.get_head_size() == row
+    # vLLM builds the page it aligns from a generic K+V spec; the latent backend turns it into one row per token
+    import torch
+    from vllm.config import ParallelConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_glm53.backends.latent_cache import LatentCacheBackend
+
+    generic = FullAttentionSpec(block_size=1, num_kv_heads=config.get_num_kv_heads(ParallelConfig()),
+                                head_size=config.get_head_size(), dtype=torch.float32)
+    assert LatentCacheBackend.customize_spec(generic).page_size_bytes == 4 * row

@@ -482,7 +482,7 @@ REJECTED = [
     (dict(hardware="b200", features=["dflash"]), "rule one-drafter"),  # MTP is on by default there
     (dict(hardware="mi355x", features=["dflash"]), "rule dflash-platform"),
     (dict(hardware="h100", variant="bf16"), "rule memory"),
-    (dict(hardware="cpu", extra_args=["--enable-prefix-caching"]), "rule cpu-launch"),
+    (dict(hardware="cpu", features=["mtp"], extra_args=["--enable-prefix-caching"]), "--no-enable-prefix-caching"),
     (dict(hardware="h200", extra_args=["--tokenizer-mode", "auto"]), "rule glm-flags"),
     (dict(hardware="atlas-a3", features=["no-expert-parallel"]), "required"),
     (dict(hardware="h200", features=["aiter-topk"]), "does not offer aiter-topk"),

@@ -49,7 +49,7 @@ def server(tiny_ckpt, tmp_path_factory):
         "--max-model-len", "1024",
         "--limit-mm-per-prompt", '{"image": 2, "video": 1}',
         "--allowed-local-media-path", str(media),
-        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}',
+        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "--no-enable-prefix-caching",
     )) as server:
         yield {**server, "media": media}
 

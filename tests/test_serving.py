@@ -249,13 +249,29 @@ def test_vllm_refuses_pipeline_parallel_for_the_plugins_model_by_its_interface(e
 
 
 def test_default_options_are_served(engine_config):
-    """vLLM's defaults (no prefix-caching flag: vLLM turns it on for hybrid models, its CPU platform off for MLA
-    ones, and used to reject its own result) give a config, and the plugin's model accepts it."""
+    """vLLM's defaults give a config the plugin's model accepts, with what vLLM gives any hybrid model on CPU:
+    chunked prefill and prefix caching, the KDA state kept at block edges ("align" mode), block 128. (vLLM's CPU
+    policy for its own MLA kernels, block 16 and one-step prefill, does not apply to the plugin's backend.)"""
     from vllm_glm53.model.model import check_serve_options
 
     config = engine_config()
-    assert not config.cache_config.enable_prefix_caching  # off on CPU, decided before vLLM's hybrid hook
+    assert config.cache_config.enable_prefix_caching and config.scheduler_config.enable_chunked_prefill
+    assert config.cache_config.mamba_cache_mode == "align"
+    assert config.cache_config.block_size == 128 and not config.model_config.use_mla
     check_serve_options(config)  # raises if anything were refused
+
+
+def test_prefix_caching_with_mtp_is_refused_at_start_up_naming_the_flags(engine_config):
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    with pytest.raises(ValueError, match="--speculative-config method mtp") as err:
+        engine_config(speculative_config=mtp)  # prefix caching on: vLLM's default
+    assert "--no-enable-prefix-caching" in str(err.value)
+    with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
+        engine_config(speculative_config=mtp, enable_prefix_caching=True)
+    config = engine_config(speculative_config=mtp, enable_prefix_caching=False)
+    assert config.cache_config.mamba_cache_mode == "none" and config.scheduler_config.enable_chunked_prefill
+    opts = serving.ServeOptions(speculative_method="mtp", prefix_caching=True)
+    assert serving.refusals(serving.PLUGIN_MODEL, opts) and not serving.refusals(serving.VLLM_MODEL, opts)
 
 
 # ---------------------------------------------------------------------------------------------------------------

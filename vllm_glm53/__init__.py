@@ -35,8 +35,9 @@ REASONING_PARSERS: dict[str, tuple[str, str]] = {
     "glm45": ("vllm_glm53.parsers.reasoning", "Glm47ReasoningParser"),
 }
 
-# Model types whose MLA cache rows vLLM must size by the plugin's row layout (see _vllm.register_cache_row_size).
-CACHE_ROW_MODEL_TYPES = ("glm5_next", "glm5_next_text")
+# Model types whose architecture facts (cache row size, not vLLM's MLA) the plugin reports to vLLM
+# (see _vllm.register_text_arch).
+TEXT_ARCH_MODEL_TYPES = ("glm5_next", "glm5_next_text")
 
 _registered: list[str] | None = None
 
@@ -48,17 +49,13 @@ def _cache_row_size(hf_text_config) -> int:
 
 
 def _check_engine_config(vllm_config) -> None:
-    """Runs where vLLM runs a model's own config checks, before its hybrid-state hook and its platform update."""
-    from vllm_glm53 import _vllm
+    """Runs where vLLM runs a model's own config checks, before its hybrid-state hook sizes prefix-cache blocks:
+    refuses what the plugin's state handling cannot serve, naming the flags."""
+    from vllm_glm53 import _vllm, serving
 
-    cache = vllm_config.cache_config
-    if cache.enable_prefix_caching and _vllm.cpu_forces_one_step_prefill(vllm_config):
-        # vLLM's CPU platform turns prefix caching off for MLA models after the hybrid hook has sized prefix-cache
-        # blocks for it, and then rejects its own config; decide it here, before that hook, so the plain
-        # `vllm serve CKPT` starts. Chunked prefill and prefix caching on CPU: issue #17.
-        logger.info("vllm-glm53: prefix caching is off on CPU for GLM-5.3 (vLLM's CPU platform disables it for "
-                    "MLA models)")
-        cache.enable_prefix_caching = False
+    problems = serving.state_refusals(serving.PLUGIN_MODEL, _vllm.serve_options(vllm_config))
+    if problems:
+        raise ValueError("vllm-glm53: " + "; ".join(problems))
 
 
 def register() -> list[str]:
@@ -85,8 +82,8 @@ def register() -> list[str]:
         for arch, target in MODELS.items():
             _vllm.register_model(arch, *target)
             done.append(f"model {arch}")
-        if _vllm.register_cache_row_size(CACHE_ROW_MODEL_TYPES, _cache_row_size):
-            done.append("cache row size " + "/".join(CACHE_ROW_MODEL_TYPES))
+        if _vllm.register_text_arch(TEXT_ARCH_MODEL_TYPES, _cache_row_size):
+            done.append("text arch " + "/".join(TEXT_ARCH_MODEL_TYPES))
         if _vllm.register_config_hook(tuple(MODELS), _check_engine_config):
             done.append("config hook " + "/".join(MODELS))
     for mode, target in TOKENIZER_MODES.items():

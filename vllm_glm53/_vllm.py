@@ -12,10 +12,18 @@ Each entry: why, how, and the upstream change that would retire it.
    Why: vLLM's own model cannot import or run there. How: ``ModelRegistry.register_model`` over the in-tree
    name. Retire: vLLM's GLM5Next gaining CPU/XPU ops.
 2. Arch-config convertor for ``glm5_next`` / ``glm5_next_text`` in ``MODEL_ARCH_CONFIG_CONVERTORS``
-   (:func:`register_cache_row_size`), with the plugin's model only. Why: vLLM sizes a hybrid model's token page
-   from ``kv_lora_rank`` (512) while the plugin's cache row holds 768 values, padding every KDA state page 1.5x.
-   How: a convertor subclass whose ``get_head_size`` reports the real row. Retire: a model-class hook for the
-   attention page size (vLLM's own GLM5Next keeps its indexer cache apart and needs none).
+   (:func:`register_text_arch`), with the plugin's model only. It answers two questions vLLM asks about the
+   model type. (a) The token page: vLLM sizes a hybrid model's token page from ``kv_lora_rank`` (512) while the
+   plugin's cache row holds 768 values, padding every KDA state page 1.5x; the convertor's ``get_head_size``
+   reports the real row. (b) Whether vLLM's MLA machinery applies (``is_deepseek_mla``, read by
+   ``ModelConfig.use_mla``): it does not, the layers carry their own latent-cache backend and never reach vLLM's
+   MLA wrapper or selector. Answering "yes" (vLLM's hard-coded list) made vLLM's CPU platform apply its policy
+   for its own reference MLA kernel: block 16, no chunked prefill, no prefix caching, one-step prefill
+   (``platforms/cpu.py``), and then reject its own hybrid config ("--mamba-block-size can only be set with
+   --enable-prefix-caching"). Answering "no" gives the CPU defaults any hybrid model gets (block 128, chunked
+   prefill, prefix caching in align mode); the latent backend's ``customize_spec`` keeps the page arithmetic on
+   the real MLA-style row. Retire: (a) a model-class hook for the attention page size, (b) vLLM deciding its MLA
+   policy from the attention backend the layers use rather than from a model-type list.
 3. The platform's quantization allow-list (:func:`register_quantization_config`). Why: vLLM appends a newly
    registered method to ``current_platform.supported_quantization`` only on the first registration, and
    platforms with a list (NPU) reject others. How: append our name when missing. Retire: vLLM appending on
@@ -28,12 +36,11 @@ Each entry: why, how, and the upstream change that would retire it.
    and must read it. How: the flag vLLM's CPU method checks. Retire: a public opt-out, or the CPU method keeping
    the weight it was given.
 6. ``MODELS_CONFIG_MAP`` entries for the GLM-5.3 architectures (:func:`register_config_hook`), with the plugin's
-   model only. Why: on CPU vLLM turns prefix caching on for hybrid models (setting ``mamba_block_size``), and
-   later its CPU platform turns prefix caching off for MLA models, which leaves a config its own validation
-   rejects ("--mamba-block-size can only be set with --enable-prefix-caching"): the plain ``vllm serve CKPT``
-   failed. How: the hook turns prefix caching off first where the CPU platform will, with one log line. Retire:
-   the CPU platform deciding before the hybrid hook runs, or not classifying a model with its own attention
-   backend as MLA (issue #17 then turns prefix caching and chunked prefill on for this model on CPU).
+   model only. Why: some serve options are a property of the model's state handling that vLLM cannot know
+   (prefix caching with MTP: vLLM's align-mode copies assume one state per request and a shifted conv window,
+   the plugin keeps one state slot per draft position); they must be refused with a message naming the flags
+   before vLLM sizes caches for them. How: a config hook where vLLM runs a model's own config checks. Retire: a
+   model-class hook for engine-config validation.
 """
 
 from __future__ import annotations
@@ -89,40 +96,39 @@ def register_config_hook(archs: tuple[str, ...], hook) -> bool:
     return len(free) == len(archs)
 
 
-def cpu_forces_one_step_prefill(vllm_config) -> bool:
-    """Whether vLLM's CPU platform will turn chunked prefill and prefix caching off for this config: it does for
-    every model it classifies as MLA (``model_config.use_mla``; GLM-5.3's NoPE latent attention is) unless its AMX
-    MLA path applies, which needs head size 576 (GLM-5.3's is 512)."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu() and bool(getattr(vllm_config.model_config, "use_mla", False))
-
-
-class _CacheRowConvertorMark:
+class _TextArchConvertorMark:
     """Marks the arch-config convertors this plugin installed (so a second ``register()`` recognises them)."""
 
 
-def register_cache_row_size(model_types: tuple[str, ...], row_size) -> bool:
-    """Tell vLLM how many values one cached token of this model's MLA layers holds (``row_size(hf_text_config)``).
+def register_text_arch(model_types: tuple[str, ...], row_size) -> bool:
+    """Tell vLLM, per model type, how many values one cached token of this model's attention layers holds
+    (``row_size(hf_text_config)``) and that vLLM's own MLA machinery does not apply to them (ledger entry 2).
 
     vLLM sizes the token block of a hybrid model so that one attention page covers one KDA state page, and takes
     the per-token size from ``ModelConfig.get_head_size()``: ``kv_lora_rank + qk_rope_head_dim`` for MLA models,
-    512 here. This model's cache row also holds the indexer key and its gate logits (768 values), so the block
-    came out 1.5x too large and every KDA state page was padded up to that larger token page. vLLM's hook for
-    model-specific sizes is a per-``model_type`` arch-config convertor; ours reports the real row. Returns
-    whether it was installed (not where the vLLM lacks the hook or another plugin already claimed the type).
+    512 here. This model's cache row also holds the indexer key and its gate logits (768 values). And vLLM keys
+    its platform policies on ``ModelConfig.use_mla`` (on CPU: block 16, chunked prefill and prefix caching off),
+    which describe vLLM's MLA kernels, not the plugin's latent-cache backend. vLLM's hook for model-specific
+    architecture facts is a per-``model_type`` arch-config convertor; ours answers both. Returns whether it was
+    installed (not where the vLLM lacks the hook or another plugin already claimed the type).
     """
     try:
         mod = importlib.import_module("vllm.transformers_utils.model_arch_config_convertor")
         table, base = mod.MODEL_ARCH_CONFIG_CONVERTORS, mod.ModelArchConfigConvertorBase
     except (ModuleNotFoundError, AttributeError):
-        return False  # older vLLM: state pages are padded more, nothing else changes
+        return False  # older vLLM: state pages are padded more, vLLM's MLA policy applies
 
-    class Glm5NextArchConfigConvertor(base, _CacheRowConvertorMark):
+    class Glm5NextArchConfigConvertor(base, _TextArchConvertorMark):
         def get_head_size(self) -> int:
             return row_size(self.hf_text_config)
 
-    free = [t for t in model_types if t not in table or issubclass(table[t], _CacheRowConvertorMark)]
+        def is_deepseek_mla(self) -> bool:
+            return False
+
+        def get_total_num_kv_heads(self) -> int:
+            return 1  # one latent row per token, shared by every head
+
+    free = [t for t in model_types if t not in table or issubclass(table[t], _TextArchConvertorMark)]
     for model_type in free:
         table[model_type] = Glm5NextArchConfigConvertor
     return bool(free)
@@ -239,6 +245,7 @@ def serve_options(vllm_config):
         speculative_method=getattr(spec, "method", None),
         attention_backend=None if backend is None else getattr(backend, "name", str(backend)),
         sparse_indexer_topk_backend=str(topk or "auto"),
+        prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
     )
 
 

@@ -92,6 +92,7 @@ class ServeOptions:
     speculative_method: str | None = None
     attention_backend: str | None = None
     sparse_indexer_topk_backend: str = "auto"
+    prefix_caching: bool = False  # vLLM turns it on by default for this (hybrid) model
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class ModelCapabilities:
     quantizations: frozenset[str] | None  # None: whatever vLLM's layers take
     own_attention_backends: bool  # ignores --attention-backend / --sparse-indexer-topk-backend
     expert_parallel: bool  # MixtureOfExperts is not enough: the experts must really be partitioned
+    prefix_caching_with_drafts: bool  # hybrid-state snapshots at block boundaries with speculative decoding
 
 
 # Speculative methods that need an interface of the target model (vLLM checks it when the drafter loads).
@@ -115,6 +117,9 @@ PLUGIN_MODEL = ModelCapabilities(
     quantizations=frozenset({"fp8", "glm5_next_fp8", "ascend", "glm5_next_mxfp8"}),
     own_attention_backends=True,
     expert_parallel=False,
+    # The plugin keeps a whole KDA state (conv window + recurrent state) per draft position; vLLM's align-mode
+    # state copies for drafts assume one conv window extended by the draft length.
+    prefix_caching_with_drafts=False,
 )
 
 VLLM_MODEL = ModelCapabilities(
@@ -125,13 +130,26 @@ VLLM_MODEL = ModelCapabilities(
     quantizations=None,
     own_attention_backends=False,
     expert_parallel=True,
+    prefix_caching_with_drafts=True,
 )
+
+
+def state_refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
+    """The refusals about the hybrid state that must be decided before vLLM sizes its caches (the plugin's config
+    hook raises them at start-up; :func:`refusals` includes them)."""
+    if options.prefix_caching and options.speculative_method and not model.prefix_caching_with_drafts:
+        return [f"prefix caching (vLLM's default for this model, or --enable-prefix-caching) with --speculative-config "
+                f"method {options.speculative_method}: {DESCRIPTIONS[model.name]} keeps one KDA state per draft "
+                "position, which vLLM's prefix-cache state copies do not handle; add --no-enable-prefix-caching "
+                "(LLM(enable_prefix_caching=False)) to serve with drafts, or drop --speculative-config to keep "
+                "prefix caching"]
+    return []
 
 
 def refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
     """Why ``model`` cannot serve with ``options``: one sentence per refused option, naming the flag."""
     who = DESCRIPTIONS[model.name]
-    out = []
+    out = state_refusals(model, options)
     if options.pipeline_parallel_size > 1 and "SupportsPP" not in model.interfaces:
         out.append(f"--pipeline-parallel-size {options.pipeline_parallel_size}: {who} has no pipeline parallel")
     if options.lora and "SupportsLoRA" not in model.interfaces:

@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_glm53._vllm import AttentionBackend, AttentionCGSupport, AttentionImplBase, AttentionMetadataBuilder
+from vllm_glm53._vllm import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImplBase,
+    AttentionMetadataBuilder,
+    MLAAttentionSpec,
+)
 from vllm_glm53.backends.plans import LatentCachePlan
 
 
@@ -79,6 +85,15 @@ class LatentCacheBackend(AttentionBackend):
     @classmethod
     def is_mla(cls) -> bool:
         return True
+
+    @classmethod
+    def customize_spec(cls, spec):
+        """vLLM sizes a hybrid model's token page (to cover one KDA state page) from a generic full-attention
+        spec built from the model config (K and V rows per head); this cache holds one row per token."""
+        if isinstance(spec, MLAAttentionSpec):
+            return spec
+        return MLAAttentionSpec(block_size=spec.block_size, num_kv_heads=1, head_size=spec.head_size,
+                                dtype=spec.dtype, cache_dtype_str=getattr(spec, "cache_dtype_str", None) or "auto")
 
 
 def cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:

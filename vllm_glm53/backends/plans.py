@@ -8,8 +8,10 @@ forward pass of a step has no Python loop over requests and reads nothing back f
   * :class:`StateSlots` (KDA, built by :mod:`vllm_glm53.backends.kda_state` over vLLM's GDN/mamba metadata):
     which state slot each request starts from and where the states after chosen tokens go. This one rule covers a
     decode, a fresh prefill, a prefill chunk continuing from a cached state (chunked prefill), speculative
-    verification (a state after every token, one slot per draft position) and, for prefix caching, snapshots of
-    the state at block boundaries (more store points per request).
+    verification (a state after every token, one slot per draft position) and prefix caching: in vLLM's "align"
+    mode the scheduler ends prefill chunks at block edges and names the slot of the chunk's last block, so the
+    state stored after the chunk is that block's snapshot, and a request whose prefix hits the cache starts from
+    the slot of its last cached block (vLLM copies it forward with the model's copy functions).
   * :class:`LatentCachePlan` (sparse MLA + indexer, built by :mod:`vllm_glm53.backends.latent_cache`): request
     token ranges, total and cached lengths, the block table and the new tokens' cache slots. A prefill chunk
     continuing a request reads its earlier tokens from the paged cache (``context_lens > 0``).

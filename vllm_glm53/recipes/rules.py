@@ -159,14 +159,10 @@ def _rule_memory(c: RuleContext) -> str | None:
 
 
 def _rule_cpu_launch(c: RuleContext) -> str | None:
-    """On CPU: no explicit prefix caching (vLLM's CPU platform turns it off for MLA models; chunked prefill and
-    prefix caching for this model on CPU are issue #17), eager mode, a bounded --max-model-len (the checkpoint says
-    1,048,576) and an explicit KV budget."""
+    """On CPU: eager mode, a bounded --max-model-len (the checkpoint says 1,048,576) and an explicit KV budget."""
     if c.hw.platform != "cpu":
         return None
     for launch in c.serve:
-        if has_flag(launch.args, "--enable-prefix-caching"):
-            return "on CPU, prefix caching is not available for this model yet (vLLM's CPU platform turns it off)"
         if not has_flag(launch.args, "--enforce-eager"):
             return "on CPU, pass --enforce-eager"
         if last_value(launch.args, "--max-model-len") is None:
@@ -222,6 +218,7 @@ def serve_options(args: Sequence[str], weights: str) -> serving.ServeOptions:
         speculative_method=method,
         attention_backend=attention,
         sparse_indexer_topk_backend=last_value(args, "--sparse-indexer-topk-backend") or "auto",
+        prefix_caching=last_value(args, "--enable-prefix-caching") != "no",  # vLLM's default for this model: on
     )
 
 
