@@ -16,7 +16,6 @@ engine starts that were there already.
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
