@@ -34,6 +34,15 @@ Each entry: why, how, and the upstream change that would retire it.
    failed. How: the hook turns prefix caching off first where the CPU platform will, with one log line. Retire:
    the CPU platform deciding before the hybrid hook runs, or not classifying a model with its own attention
    backend as MLA (issue #17 then turns prefix caching and chunked prefill on for this model on CPU).
+7. The receive buffer of a later pipeline stage on CPU in eager mode (:func:`cpu_pp_receive_buffer`), installed
+   only when the plugin's model is built on a CPU worker with ``--pipeline-parallel-size`` > 1. Why: vLLM
+   allocates that buffer (``model_runner.intermediate_tensors``) in its dummy run only, and the CPU worker skips
+   the warm-up (the only dummy run) when compilation is off and the KV cache size is given, which is what the CPU
+   recipes run (``--enforce-eager``, ``--kv-cache-memory-bytes``); every step of a later stage then failed on
+   ``assert self.intermediate_tensors is not None``. How: ``CPUModelRunner.sync_and_gather_intermediate_tensors``
+   first allocates the buffer, exactly as the dummy run would (``model.make_empty_intermediate_tensors`` for
+   ``max_num_tokens`` in the model dtype), when it is still missing; nothing else changes. Retire: the CPU runner
+   allocating the buffer without a warm-up (or warming up whenever PP > 1).
 """
 
 from __future__ import annotations
@@ -178,6 +187,11 @@ _LAZY_NAMES = {
     "get_tensor_model_parallel_rank": ("vllm.distributed",),
     "get_tensor_model_parallel_world_size": ("vllm.distributed",),
     "tensor_model_parallel_all_reduce": ("vllm.distributed",),
+    "get_pp_group": ("vllm.distributed",),
+    "get_pp_indices": ("vllm.distributed.utils",),
+    "IntermediateTensors": ("vllm.sequence",),
+    "PPMissingLayer": ("vllm.model_executor.models.utils",),
+    "SupportsPP": ("vllm.model_executor.models.interfaces",),
     "get_forward_context": ("vllm.forward_context",),
     "ColumnParallelLinear": ("vllm.model_executor.layers.linear",),
     "MergedColumnParallelLinear": ("vllm.model_executor.layers.linear",),
@@ -240,6 +254,39 @@ def serve_options(vllm_config):
         attention_backend=None if backend is None else getattr(backend, "name", str(backend)),
         sparse_indexer_topk_backend=str(topk or "auto"),
     )
+
+
+def pipeline_stage(num_layers: int) -> tuple[int, int, int, int]:
+    """``(rank, size, first layer, end layer)`` of this process's pipeline stage: vLLM's split of the decoder
+    layers (``VLLM_PP_LAYER_PARTITION`` when set, else even with the remainder on the earlier stages)."""
+    from vllm.distributed import get_pp_group
+    from vllm.distributed.utils import get_pp_indices
+
+    group = get_pp_group()
+    start, end = get_pp_indices(num_layers, group.rank_in_group, group.world_size)
+    return group.rank_in_group, group.world_size, start, end
+
+
+def cpu_pp_receive_buffer(vllm_config) -> bool:
+    """Ledger 7: on a CPU worker with pipeline parallel, allocate a later stage's receive buffer on first use when
+    no warm-up did (eager mode). Returns whether the fix is in place. Idempotent."""
+    if vllm_config.parallel_config.pipeline_parallel_size <= 1 or not is_cpu_platform():
+        return False
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner, "_glm53_receive_buffer", False):
+        return True
+    original = CPUModelRunner.sync_and_gather_intermediate_tensors
+
+    def sync_and_gather_intermediate_tensors(self, num_tokens, intermediate_tensors, sync_self):
+        if self.intermediate_tensors is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device)
+        return original(self, num_tokens, intermediate_tensors, sync_self)
+
+    CPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
+    CPUModelRunner._glm53_receive_buffer = True
+    return True
 
 
 def cpu_skip_gemm_dispatch(linear) -> None:

@@ -110,7 +110,7 @@ SPECULATIVE_NEEDS = {"eagle": "SupportsEagle", "eagle3": "SupportsEagle3", "dfla
 
 PLUGIN_MODEL = ModelCapabilities(
     name=PLUGIN,
-    interfaces=frozenset({"HasInnerState", "IsHybrid", "SupportsMultiModal"}),
+    interfaces=frozenset({"HasInnerState", "IsHybrid", "SupportsMultiModal", "SupportsPP"}),
     fp8_kv_cache=False,  # the latent cache stores the model dtype (backends/latent_cache.py)
     quantizations=frozenset({"fp8", "glm5_next_fp8", "ascend", "glm5_next_mxfp8"}),
     own_attention_backends=True,
