@@ -57,9 +57,10 @@ class EngineRunError(AssertionError):
 
 
 def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=False, timeout=900,
-               env=None, metrics=False, prompt_logprobs=False):
+               env=None, metrics=False, prompt_logprobs=False, param_bytes=False):
     """Greedy generation through ``vllm.LLM`` in a fresh process; returns token ids (and logprobs) per prompt,
-    and with ``metrics=True`` also the engine's counters: ``(results, {name: value})``."""
+    and with ``metrics=True`` also the engine's counters: ``(results, {name: value})``, with ``param_bytes=True``
+    also what each worker's model holds: ``(results, [vllm_glm53.testing.parameter_bytes per worker])``."""
     import tempfile
 
     if isinstance(max_tokens, int):
@@ -68,13 +69,16 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
         spec, out = Path(d) / "spec.json", Path(d) / "out.json"
         spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
                                     "engine": engine or {}, "logprobs": logprobs, "ignore_eos": ignore_eos,
-                                    "metrics": metrics, "prompt_logprobs": prompt_logprobs}))
+                                    "metrics": metrics, "prompt_logprobs": prompt_logprobs,
+                                    **({"param_bytes": True} if param_bytes else {})}))
         proc = subprocess.run([sys.executable, str(TESTS / "engine_runner.py"), str(spec), str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
         if proc.returncode != 0:
             raise EngineRunError(proc.returncode, proc.stdout)
         results = json.loads(out.read_text())
+        if param_bytes:
+            return results["outputs"], results["param_bytes"]
         if metrics:
             return results, json.loads(Path(str(out) + ".metrics.json").read_text())
         return results

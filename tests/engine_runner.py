@@ -16,7 +16,9 @@ Multimodal additions (optional):
                 each expected to fail; OUT records each one's error message (null if it was accepted);
     "model_attrs": [name, ...]: OUT records, per worker, the class name of each of the model's attributes
                    ("NoneType" for one set to None).
-With "rejected" or "model_attrs", OUT is {"outputs": [...], "rejected": [...], "model_attrs": [...]}.
+    "param_bytes": true: OUT records, per worker, vllm_glm53.testing.parameter_bytes of its model.
+With "rejected", "model_attrs" or "param_bytes", OUT is {"outputs": [...], "rejected": [...], "model_attrs": [...],
+"param_bytes": [...]}.
 Each engine scenario runs in its own process: vLLM on CPU spawns its engine core and workers, and a fresh
 process per scenario keeps tests independent of each other's engine teardown.
 """
@@ -51,7 +53,7 @@ def _prompt(ids: list[int], mm_entry: dict | None) -> dict:
 
 def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
-    if spec.get("model_attrs"):
+    if spec.get("model_attrs") or spec.get("param_bytes"):
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # LLM.apply_model ships a function to workers
     from vllm import LLM, SamplingParams
 
@@ -80,7 +82,7 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("metrics"):  # counters and gauges by name, next to OUT
         metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
         json.dump(metrics, open(out_path + ".metrics.json", "w"))
-    if "rejected" not in spec and "model_attrs" not in spec:
+    if not any(k in spec for k in ("rejected", "model_attrs", "param_bytes")):
         json.dump(result, open(out_path, "w"))
         return
     rejected = []
@@ -97,7 +99,13 @@ def main(spec_path: str, out_path: str) -> None:
         probe = operator.attrgetter(*(f"{n}.__class__.__name__" for n in names))
         per_worker = llm.apply_model(probe)
         attrs = [dict(zip(names, (v,) if len(names) == 1 else v)) for v in per_worker]
-    json.dump({"outputs": result, "rejected": rejected, "model_attrs": attrs}, open(out_path, "w"))
+    sizes = []
+    if spec.get("param_bytes"):
+        from vllm_glm53.testing import parameter_bytes
+
+        sizes = llm.apply_model(parameter_bytes)
+    json.dump({"outputs": result, "rejected": rejected, "model_attrs": attrs, "param_bytes": sizes},
+              open(out_path, "w"))
 
 
 if __name__ == "__main__":

@@ -267,6 +267,22 @@ def pipeline_stage(num_layers: int) -> tuple[int, int, int, int]:
     return group.rank_in_group, group.world_size, start, end
 
 
+def expert_parallel_rank() -> tuple[int, int]:
+    """``(rank, size)`` of this process in the expert-parallel group the plugin's MoE uses: its tensor-parallel
+    group when ``--enable-expert-parallel`` is set, else ``(0, 1)``. vLLM's EP group spans TP x DP; the plugin
+    refuses EP with data parallel (its experts would need the DP ranks' tokens exchanged)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    parallel = get_current_vllm_config().parallel_config
+    if not getattr(parallel, "enable_expert_parallel", False):
+        return 0, 1
+    if parallel.data_parallel_size > 1:
+        raise ValueError("--enable-expert-parallel with --data-parallel-size > 1: the plugin's model partitions "
+                         "experts over the tensor-parallel ranks only")
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
 def cpu_pp_receive_buffer(vllm_config) -> bool:
     """Ledger 7: on a CPU worker with pipeline parallel, allocate a later stage's receive buffer on first use when
     no warm-up did (eager mode). Returns whether the fix is in place. Idempotent."""

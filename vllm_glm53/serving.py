@@ -103,6 +103,10 @@ class ModelCapabilities:
     quantizations: frozenset[str] | None  # None: whatever vLLM's layers take
     own_attention_backends: bool  # ignores --attention-backend / --sparse-indexer-topk-backend
     expert_parallel: bool  # MixtureOfExperts is not enough: the experts must really be partitioned
+    eplb: bool  # expert-parallel load balancing (redundant experts, rebalancing)
+    # speculative decoding together with pipeline parallel: vLLM 0.32's V1 scheduler and runner (the path on CPU)
+    # mis-schedule drafts with PP's batch queue (a step of 1 token carrying 2 draft ids), for any model
+    pp_with_speculation: bool
 
 
 # Speculative methods that need an interface of the target model (vLLM checks it when the drafter loads).
@@ -114,7 +118,9 @@ PLUGIN_MODEL = ModelCapabilities(
     fp8_kv_cache=False,  # the latent cache stores the model dtype (backends/latent_cache.py)
     quantizations=frozenset({"fp8", "glm5_next_fp8", "ascend", "glm5_next_mxfp8"}),
     own_attention_backends=True,
-    expert_parallel=False,
+    expert_parallel=True,  # over the TP ranks, unquantized/dequantized experts (model/moe.py)
+    eplb=False,
+    pp_with_speculation=False,
 )
 
 VLLM_MODEL = ModelCapabilities(
@@ -125,6 +131,8 @@ VLLM_MODEL = ModelCapabilities(
     quantizations=None,
     own_attention_backends=False,
     expert_parallel=True,
+    eplb=True,
+    pp_with_speculation=True,
 )
 
 
@@ -140,10 +148,16 @@ def refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
     if need and need not in model.interfaces:
         out.append(f"--speculative-config method {options.speculative_method}: the drafter needs {need} (the "
                    f"target's auxiliary hidden states), which {who} does not provide; use method mtp")
+    if (options.pipeline_parallel_size > 1 and options.speculative_method and not model.pp_with_speculation
+            and "SupportsPP" in model.interfaces):
+        out.append(f"--speculative-config method {options.speculative_method} with --pipeline-parallel-size "
+                   f"{options.pipeline_parallel_size}: {who} runs on vLLM's V1 model runner, whose scheduler hands a "
+                   "pipeline of steps drafts that do not match their scheduled tokens (vLLM 0.32); use one or the "
+                   "other")
     if options.expert_parallel and not model.expert_parallel:
         out.append(f"--enable-expert-parallel: {who} does not partition experts across ranks (every rank would keep "
                    "a tensor-parallel slice of every expert)")
-    if options.eplb and not model.expert_parallel:
+    if options.eplb and not model.eplb:
         out.append(f"--enable-eplb: {who} has no expert-parallel load balancing")
     if options.kv_cache_dtype.startswith("fp8") and not model.fp8_kv_cache:
         out.append(f"--kv-cache-dtype {options.kv_cache_dtype}: {who} keeps its latent cache in the model dtype")

@@ -103,3 +103,21 @@ def vllm_env_names() -> frozenset[str]:
 def read_vllm_env(name: str):
     """Parse ``name`` from the current environment the way vLLM does (raises on values vLLM rejects)."""
     return importlib.import_module("vllm.envs").environment_variables[name]()
+
+
+def parameter_bytes(model) -> dict:
+    """What one worker's model holds (``LLM.apply_model(parameter_bytes)``; a module-level function pickles by
+    reference into the workers): parameter bytes in all and of the routed experts, the decoder layers this
+    rank built (pipeline parallel) and the routed experts per MoE block (expert parallel)."""
+    total = experts = 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        total += size
+        if ".experts." in name:
+            experts += size
+    inner = getattr(model, "model", model)
+    built = [i for i, layer in enumerate(getattr(inner, "layers", [])) if any(True for _ in layer.parameters())]
+    stacks = [m for m in model.modules() if hasattr(m, "num_local")]
+    return {"total": total, "experts": experts, "layers": built,
+            "experts_per_block": sorted({m.num_local for m in stacks}),
+            "first_experts": sorted({m.first_expert for m in stacks})}

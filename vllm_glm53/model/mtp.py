@@ -10,8 +10,7 @@ It is one plain pre-norm decoder block (no mHC) at checkpoint index ``num_hidden
 MLA, indexer and latent cache. msmodelslim w8a8 checkpoints made with QuaRot (``is_rot_used``) also carry
 ``rot.weight``, applied to ``h_prev`` like a linear layer before anything else (ascend.md §5).
 Its embedding and LM head are the target model's: vLLM's MTP proposer installs
-them after loading (``model.embed_tokens``, ``lm_head``), so this module creates neither, except the embedding
-under pipeline parallel (the layer runs on the last stage, which has no embedding to share). Every draft step
+them after loading (``model.embed_tokens``, ``lm_head``), so this module creates neither. Every draft step
 runs the layer's own indexer (exact; vLLM's in-tree version reuses the first step's selection).
 """
 
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from vllm_glm53 import _vllm
-from vllm_glm53._vllm import LogitsProcessor, ReplicatedLinear, VocabParallelEmbedding
+from vllm_glm53._vllm import LogitsProcessor, ReplicatedLinear
 from vllm_glm53.config import TextArch, text_arch
 from vllm_glm53.model.mla import Glm5NextSparseMLA
 from vllm_glm53.model.moe import Glm5NextMLP, Glm5NextMoE
@@ -72,12 +71,6 @@ class Glm5NextMTPModel(nn.Module):
         )
         # QuaRot leaves the target's final norm weightless (its weight folded into lm_head) and the MTP layer in
         # a rotated basis: ``rot.weight`` maps the hidden state the target hands over to the one the layer needs.
-        # With pipeline parallel vLLM's proposer shares only the LM head (this layer runs on the last stage, where
-        # the target has no embedding): the layer then loads its own copy of the target's embedding.
-        self.own_embedding = _vllm.pipeline_stage(self.arch.num_layers)[1] > 1
-        if self.own_embedding:
-            self.model.embed_tokens = VocabParallelEmbedding(self.arch.vocab_size, self.arch.hidden_size,
-                                                             prefix="model.embed_tokens")
         description = _vllm.read_model_json(vllm_config.model_config, w8a8.DESCRIPTION_FILE)
         D = self.arch.hidden_size
         self.rot = ReplicatedLinear(D, D, bias=False, prefix="rot") if description.get("is_rot_used") else None
@@ -109,8 +102,6 @@ class Glm5NextMTPModel(nn.Module):
             # ``rot.weight`` (w8a8 QuaRot) is this module's too: a checkpoint that has it without declaring
             # ``is_rot_used`` fails as an unexpected tensor, one that declares it without it as a missing one.
             mine = name.startswith(f"model.layers.{n}.") or name == w8a8.MTP_ROTATION
-            if self.own_embedding and name.startswith("model.embed_tokens."):
-                return False
             return not mine or name.startswith(shared_copies)
 
         loader = WeightLoader(self, num_layers=1, layer_offset=n, skip=other)

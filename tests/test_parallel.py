@@ -1,0 +1,43 @@
+"""Beyond one process group: pipeline parallel, expert parallel (and data parallel, Ray) for the plugin's model,
+each against transformers on the same float32 checkpoint with the mixed batch of test_model_parity (prompts from
+3 to 260 tokens, index_topk 8, so sparse selection drops positions; max_num_seqs 3 mixes prefills and decodes).
+
+Engine starts dominate the cost (about a minute each on 2 cores), so each scenario is one engine.
+"""
+
+import pytest
+
+from conftest import hf_greedy, hf_model, prompt_set, run_engine
+from test_model_parity import LENGTHS, MAX_TOKENS, assert_parity
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    path = tiny_ckpt("default")
+    prompts = prompt_set(path, LENGTHS)
+    return path, prompts, hf_greedy(hf_model(path), prompts, MAX_TOKENS)
+
+
+def test_pipeline_parallel_2_matches_transformers(reference):
+    """Two stages split 4 | 1: stage 1 starts with the ``shared`` MLA layer 4, so the mHC streams and the selection
+    of layer 3's indexer cross the boundary; the CPU recipe's eager mode (the receive-buffer fix, ledger 7)."""
+    path, prompts, want = reference
+    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, param_bytes=True,
+                            engine={"pipeline_parallel_size": 2, "max_num_seqs": 3},
+                            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PP_LAYER_PARTITION": "4,1"})
+    assert_parity(got, want)
+    # each stage built only its layers (the others hold no parameters)
+    assert [s["layers"] for s in sizes] == [[0, 1, 2, 3], [4]]
+
+
+def test_tensor_parallel_2_with_expert_parallel_matches_transformers(reference):
+    """``--enable-expert-parallel`` over TP 2: each rank holds 4 of the 8 experts whole (rank 0 experts 0-3, rank 1
+    experts 4-7, in every MoE block), attention and the shared expert stay tensor-parallel."""
+    path, prompts, want = reference
+    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, param_bytes=True,
+                            engine={"tensor_parallel_size": 2, "enable_expert_parallel": True, "max_num_seqs": 3},
+                            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert_parity(got, want)
+    assert [(s["experts_per_block"], s["first_experts"]) for s in sizes] == [([4], [0]), ([4], [4])]
