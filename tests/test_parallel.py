@@ -41,3 +41,34 @@ def test_tensor_parallel_2_with_expert_parallel_matches_transformers(reference):
                             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     assert_parity(got, want)
     assert [(s["experts_per_block"], s["first_experts"]) for s in sizes] == [([4], [0]), ([4], [4])]
+
+
+@pytest.fixture(scope="module")
+def two_node_ray_cluster():
+    """A Ray cluster of two nodes on this machine (Ray's own local-cluster utility: a head and a second raylet),
+    each offering one CPU rank (``vllm_cpu_rank``, ledger 8 in vllm_glm53/_vllm.py), so PP 2 must place one stage
+    on each node."""
+    pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from vllm_glm53._vllm import CPU_RAY_RESOURCE
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {CPU_RAY_RESOURCE: 1}})
+    cluster.add_node(num_cpus=1, resources={CPU_RAY_RESOURCE: 1})
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def test_pipeline_parallel_2_over_ray_on_two_nodes_matches_transformers(reference, two_node_ray_cluster):
+    path, prompts, want = reference
+    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, param_bytes=True,
+                            engine={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray",
+                                    "max_num_seqs": 3},
+                            env={"RAY_ADDRESS": two_node_ray_cluster.address, "OMP_NUM_THREADS": "1"})
+    assert_parity(got, want)
+    assert [s["layers"] for s in sizes] == [[0, 1, 2], [3, 4]]  # vLLM's default split of 5 layers
+    nodes = [s["ray_node"] for s in sizes]
+    assert None not in nodes and len(set(nodes)) == 2, f"stages ran on Ray nodes {nodes}"

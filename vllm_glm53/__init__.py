@@ -59,6 +59,9 @@ def _check_engine_config(vllm_config) -> None:
         logger.info("vllm-glm53: prefix caching is off on CPU for GLM-5.3 (vLLM's CPU platform disables it for "
                     "MLA models)")
         cache.enable_prefix_caching = False
+    if _vllm.cpu_ray_executor(vllm_config):
+        logger.info("vllm-glm53: Ray on CPU: each Ray node offers its ranks as the resource %r (ray start "
+                    "--resources '{\"%s\": N}')", _vllm.CPU_RAY_RESOURCE, _vllm.CPU_RAY_RESOURCE)
 
 
 def register() -> list[str]:

@@ -43,6 +43,17 @@ Each entry: why, how, and the upstream change that would retire it.
    first allocates the buffer, exactly as the dummy run would (``model.make_empty_intermediate_tensors`` for
    ``max_num_tokens`` in the model dtype), when it is still missing; nothing else changes. Retire: the CPU runner
    allocating the buffer without a warm-up (or warming up whenever PP > 1).
+8. Ray on CPU (:func:`cpu_ray_executor`, :func:`cpu_ray_setup`), installed by the plugin's config hook (entry 6) for
+   the GLM-5.3 architectures only, when the plugin's model serves on CPU with ``--distributed-executor-backend
+   ray``. Why: vLLM's CPU platform names no Ray resource for its ranks (``ray_device_key`` is empty), so vLLM's
+   Ray executor refuses it ("does not support ray") and its worker actors ask Ray for accelerator ids a CPU does not
+   have. How: the backend becomes :class:`CpuRayExecutor`, vLLM's Ray executor (V2) which first runs
+   :func:`cpu_ray_setup` in the engine process and has Ray run it in every worker process it starts
+   (``worker_process_setup_hook``): the CPU platform's ``ray_device_key`` becomes the custom resource
+   ``vllm_cpu_rank`` (every Ray node declares how many ranks it hosts: ``ray start --resources
+   '{"vllm_cpu_rank": N}'``), and a worker actor reports its node with no device ids. Placement, the
+   process groups (gloo) and the message queues are vLLM's own. Retire: the CPU platform declaring a Ray resource
+   and CPU-aware worker actors upstream.
 """
 
 from __future__ import annotations
@@ -221,6 +232,9 @@ _LAZY_NAMES = {
 
 
 def __getattr__(name: str):
+    if name == "CpuRayExecutor":  # built on first use (pickled by reference into the engine process)
+        globals()[name] = _cpu_ray_executor_class()
+        return globals()[name]
     modules = _LAZY_NAMES.get(name)
     if modules is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -265,6 +279,54 @@ def pipeline_stage(num_layers: int) -> tuple[int, int, int, int]:
     group = get_pp_group()
     start, end = get_pp_indices(num_layers, group.rank_in_group, group.world_size)
     return group.rank_in_group, group.world_size, start, end
+
+
+CPU_RAY_RESOURCE = "vllm_cpu_rank"
+
+
+def cpu_ray_executor(vllm_config) -> bool:
+    """Ledger 8: serve on CPU through Ray (``--distributed-executor-backend ray``) with :class:`CpuRayExecutor`.
+    Returns whether it replaced the backend."""
+    parallel = vllm_config.parallel_config
+    if parallel.distributed_executor_backend != "ray" or not is_cpu_platform():
+        return False
+    parallel.distributed_executor_backend = __getattr__("CpuRayExecutor")
+    return True
+
+
+def cpu_ray_setup() -> None:
+    """Make vLLM's Ray executor place and start CPU ranks in this process (ledger 8): the engine process and,
+    through Ray's ``worker_process_setup_hook``, every Ray worker process of the job. Idempotent."""
+    import ray
+    from vllm.platforms import current_platform
+    from vllm.v1.executor import ray_executor_v2
+
+    if current_platform.is_cpu() and not current_platform.ray_device_key:
+        type(current_platform).ray_device_key = CPU_RAY_RESOURCE
+    proc = ray_executor_v2.RayWorkerProc
+    if not getattr(proc, "_glm53_cpu", False):
+        def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
+            return ray.get_runtime_context().get_node_id(), []  # a CPU rank has no device ids
+
+        proc.get_node_and_physical_gpu_ids = get_node_and_physical_gpu_ids
+        proc._glm53_cpu = True
+
+
+def _cpu_ray_executor_class():
+    from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
+
+    class CpuRayExecutor(RayExecutorV2):
+        """vLLM's Ray executor for CPU ranks (ledger 8)."""
+
+        def _init_executor(self) -> None:
+            cpu_ray_setup()
+            runtime_env = dict(self.parallel_config.ray_runtime_env or {})
+            runtime_env["worker_process_setup_hook"] = f"{__name__}.cpu_ray_setup"
+            self.parallel_config.ray_runtime_env = runtime_env
+            super()._init_executor()
+
+    CpuRayExecutor.__module__, CpuRayExecutor.__qualname__ = __name__, "CpuRayExecutor"
+    return CpuRayExecutor
 
 
 def expert_parallel_rank() -> tuple[int, int]:
