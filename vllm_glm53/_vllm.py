@@ -259,6 +259,8 @@ def serve_options(vllm_config):
     topk = getattr(getattr(vllm_config, "kernel_config", None), "sparse_indexer_topk_backend", "auto")
     return ServeOptions(
         pipeline_parallel_size=parallel.pipeline_parallel_size,
+        data_parallel_size=parallel.data_parallel_size,
+        platform=platform_kind(),
         expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)),
         eplb=bool(getattr(parallel, "enable_eplb", False)),
         lora=getattr(vllm_config, "lora_config", None) is not None,

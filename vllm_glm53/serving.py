@@ -84,6 +84,7 @@ class ServeOptions:
     """The serve options that decide whether a model can serve, from ``vllm serve`` arguments or a VllmConfig."""
 
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     expert_parallel: bool = False
     eplb: bool = False
     lora: bool = False
@@ -92,6 +93,7 @@ class ServeOptions:
     speculative_method: str | None = None
     attention_backend: str | None = None
     sparse_indexer_topk_backend: str = "auto"
+    platform: str | None = None  # vLLM platform name (cpu, cuda, ...), None where unknown
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,9 @@ class ModelCapabilities:
     own_attention_backends: bool  # ignores --attention-backend / --sparse-indexer-topk-backend
     expert_parallel: bool  # MixtureOfExperts is not enough: the experts must really be partitioned
     eplb: bool  # expert-parallel load balancing (redundant experts, rebalancing)
+    # EP only over the tensor-parallel ranks (no data parallel) and only for experts kept unquantized, which on CPU
+    # includes FP8 checkpoints (dequantized at load); quantized expert kernels keep every expert
+    expert_parallel_tp_only: bool
     # speculative decoding together with pipeline parallel: vLLM 0.32's V1 scheduler and runner (the path on CPU)
     # mis-schedule drafts with PP's batch queue (a step of 1 token carrying 2 draft ids), for any model
     pp_with_speculation: bool
@@ -120,6 +125,7 @@ PLUGIN_MODEL = ModelCapabilities(
     own_attention_backends=True,
     expert_parallel=True,  # over the TP ranks, unquantized/dequantized experts (model/moe.py)
     eplb=False,
+    expert_parallel_tp_only=True,
     pp_with_speculation=False,
 )
 
@@ -132,6 +138,7 @@ VLLM_MODEL = ModelCapabilities(
     own_attention_backends=False,
     expert_parallel=True,
     eplb=True,
+    expert_parallel_tp_only=False,
     pp_with_speculation=True,
 )
 
@@ -157,6 +164,14 @@ def refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
     if options.expert_parallel and not model.expert_parallel:
         out.append(f"--enable-expert-parallel: {who} does not partition experts across ranks (every rank would keep "
                    "a tensor-parallel slice of every expert)")
+    if options.expert_parallel and model.expert_parallel and model.expert_parallel_tp_only:
+        if options.data_parallel_size > 1:
+            out.append(f"--enable-expert-parallel with --data-parallel-size {options.data_parallel_size}: {who} "
+                       "partitions experts over the tensor-parallel ranks only")
+        dequantized = options.platform == "cpu" and options.quantization in (None, "fp8", "glm5_next_fp8")
+        if options.quantization is not None and not dequantized:
+            out.append(f"--enable-expert-parallel with quantization {options.quantization}: {who} partitions "
+                       "unquantized experts only (and FP8 ones on CPU, which it dequantizes at load)")
     if options.eplb and not model.eplb:
         out.append(f"--enable-eplb: {who} has no expert-parallel load balancing")
     if options.kv_cache_dtype.startswith("fp8") and not model.fp8_kv_cache:
