@@ -85,13 +85,15 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
 
 
 @contextlib.contextmanager
-def served(path, extra_args: tuple[str, ...] = (), features: tuple[str, ...] = ()):
+def served(path, extra_args: tuple[str, ...] = (), features: tuple[str, ...] = (), env: dict | None = None):
     """``vllm serve`` of ``path`` with the CPU recipe's flags on a free local port, healthy, stopped on exit:
-    ``{"url", "path", "server"}`` (one server per test module: use it in a module-scoped fixture)."""
+    ``{"url", "path", "server"}`` (one server per test module: use it in a module-scoped fixture). ``env``
+    overrides the recipe's environment."""
     from vllm_glm53.demo import Server, free_port, serve_command
 
     port = free_port()
-    argv, env = serve_command(path, port, extra_args=tuple(extra_args), features=tuple(features))
+    argv, recipe_env = serve_command(path, port, extra_args=tuple(extra_args), features=tuple(features))
+    env = {**recipe_env, **(env or {})}
     srv = Server(argv, env, echo=False)
     url = f"http://127.0.0.1:{port}"
     try:
