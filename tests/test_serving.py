@@ -220,7 +220,6 @@ def engine_config(tmp_path_factory):
 
 @pytest.mark.parametrize("options, flag", [
     (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8"),
-    (dict(enable_expert_parallel=True), "--enable-expert-parallel"),
     (dict(enable_lora=True), "--enable-lora"),
     (dict(attention_backend="FLASH_ATTN"), "--attention-backend FLASH_ATTN"),
     (dict(sparse_indexer_topk_backend="aiter"), "--sparse-indexer-topk-backend aiter"),
@@ -241,11 +240,24 @@ def test_the_plugins_model_refuses_at_start_up_what_it_would_ignore(engine_confi
     assert len(from_command_line) == 1 and from_command_line[0] in str(err.value)
 
 
-def test_vllm_refuses_pipeline_parallel_for_the_plugins_model_by_its_interface(engine_config):
-    # the builder's "no SupportsPP" refusal is vLLM's own, raised while the config is built
-    with pytest.raises(NotImplementedError, match="SupportsPP"):
-        engine_config(pipeline_parallel_size=2)
-    assert serving.refusals(serving.PLUGIN_MODEL, serving.ServeOptions(pipeline_parallel_size=2))
+def test_pipeline_and_expert_parallel_are_served_but_not_with_speculation(engine_config):
+    """vLLM accepts PP for the plugin's model by its interface (SupportsPP) and the model accepts PP and EP; PP with
+    a speculative config is refused by the model at start-up and by the builder, with the same words."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_glm53.model import Glm5NextForConditionalGeneration
+    from vllm_glm53.model.model import check_serve_options
+    from vllm_glm53.recipes import serve_options
+
+    check_serve_options(engine_config(pipeline_parallel_size=2))
+    check_serve_options(engine_config(tensor_parallel_size=2, enable_expert_parallel=True))
+    config = engine_config(pipeline_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with set_current_vllm_config(config), pytest.raises(ValueError, match="cannot serve this configuration") as err:
+        Glm5NextForConditionalGeneration(vllm_config=config)
+    assert "--pipeline-parallel-size 2" in str(err.value) and "--speculative-config method mtp" in str(err.value)
+    argv = ["--pipeline-parallel-size", "2", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']
+    from_command_line = serving.refusals(serving.PLUGIN_MODEL, serve_options(argv, "bf16"))
+    assert len(from_command_line) == 1 and from_command_line[0] in str(err.value)
 
 
 def test_default_options_are_served(engine_config):

@@ -56,6 +56,9 @@ def _check_engine_config(vllm_config) -> None:
     problems = serving.state_refusals(serving.PLUGIN_MODEL, _vllm.serve_options(vllm_config))
     if problems:
         raise ValueError("vllm-glm53: " + "; ".join(problems))
+    if _vllm.cpu_ray_executor(vllm_config):
+        logger.info("vllm-glm53: Ray on CPU: each Ray node offers its ranks as the resource %r (ray start "
+                    "--resources '{\"%s\": N}')", _vllm.CPU_RAY_RESOURCE, _vllm.CPU_RAY_RESOURCE)
 
 
 def register() -> list[str]:

@@ -41,6 +41,26 @@ Each entry: why, how, and the upstream change that would retire it.
    the plugin keeps one state slot per draft position); they must be refused with a message naming the flags
    before vLLM sizes caches for them. How: a config hook where vLLM runs a model's own config checks. Retire: a
    model-class hook for engine-config validation.
+7. The receive buffer of a later pipeline stage on CPU in eager mode (:func:`cpu_pp_receive_buffer`), installed
+   only when the plugin's model is built on a CPU worker with ``--pipeline-parallel-size`` > 1. Why: vLLM
+   allocates that buffer (``model_runner.intermediate_tensors``) in its dummy run only, and the CPU worker skips
+   the warm-up (the only dummy run) when compilation is off and the KV cache size is given, which is what the CPU
+   recipes run (``--enforce-eager``, ``--kv-cache-memory-bytes``); every step of a later stage then failed on
+   ``assert self.intermediate_tensors is not None``. How: ``CPUModelRunner.sync_and_gather_intermediate_tensors``
+   first allocates the buffer, exactly as the dummy run would (``model.make_empty_intermediate_tensors`` for
+   ``max_num_tokens`` in the model dtype), when it is still missing; nothing else changes. Retire: the CPU runner
+   allocating the buffer without a warm-up (or warming up whenever PP > 1).
+8. Ray on CPU (:func:`cpu_ray_executor`, :func:`cpu_ray_setup`), installed by the plugin's config hook (entry 6) for
+   the GLM-5.3 architectures only, when the plugin's model serves on CPU with ``--distributed-executor-backend
+   ray``. Why: vLLM's CPU platform names no Ray resource for its ranks (``ray_device_key`` is empty), so vLLM's
+   Ray executor refuses it ("does not support ray") and its worker actors ask Ray for accelerator ids a CPU does not
+   have. How: the backend becomes :class:`CpuRayExecutor`, vLLM's Ray executor (V2) which first runs
+   :func:`cpu_ray_setup` in the engine process and has Ray run it in every worker process it starts
+   (``worker_process_setup_hook``): the CPU platform's ``ray_device_key`` becomes the custom resource
+   ``vllm_cpu_rank`` (every Ray node declares how many ranks it hosts: ``ray start --resources
+   '{"vllm_cpu_rank": N}'``), and a worker actor reports its node with no device ids. Placement, the
+   process groups (gloo) and the message queues are vLLM's own. Retire: the CPU platform declaring a Ray resource
+   and CPU-aware worker actors upstream.
 """
 
 from __future__ import annotations
@@ -184,6 +204,11 @@ _LAZY_NAMES = {
     "get_tensor_model_parallel_rank": ("vllm.distributed",),
     "get_tensor_model_parallel_world_size": ("vllm.distributed",),
     "tensor_model_parallel_all_reduce": ("vllm.distributed",),
+    "get_pp_group": ("vllm.distributed",),
+    "get_pp_indices": ("vllm.distributed.utils",),
+    "IntermediateTensors": ("vllm.sequence",),
+    "PPMissingLayer": ("vllm.model_executor.models.utils",),
+    "SupportsPP": ("vllm.model_executor.models.interfaces",),
     "get_forward_context": ("vllm.forward_context",),
     "ColumnParallelLinear": ("vllm.model_executor.layers.linear",),
     "MergedColumnParallelLinear": ("vllm.model_executor.layers.linear",),
@@ -213,6 +238,9 @@ _LAZY_NAMES = {
 
 
 def __getattr__(name: str):
+    if name == "CpuRayExecutor":  # built on first use (pickled by reference into the engine process)
+        globals()[name] = _cpu_ray_executor_class()
+        return globals()[name]
     modules = _LAZY_NAMES.get(name)
     if modules is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -237,6 +265,8 @@ def serve_options(vllm_config):
     topk = getattr(getattr(vllm_config, "kernel_config", None), "sparse_indexer_topk_backend", "auto")
     return ServeOptions(
         pipeline_parallel_size=parallel.pipeline_parallel_size,
+        data_parallel_size=parallel.data_parallel_size,
+        platform=platform_kind(),
         expert_parallel=bool(getattr(parallel, "enable_expert_parallel", False)),
         eplb=bool(getattr(parallel, "enable_eplb", False)),
         lora=getattr(vllm_config, "lora_config", None) is not None,
@@ -247,6 +277,103 @@ def serve_options(vllm_config):
         sparse_indexer_topk_backend=str(topk or "auto"),
         prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
     )
+
+
+def pipeline_stage(num_layers: int) -> tuple[int, int, int, int]:
+    """``(rank, size, first layer, end layer)`` of this process's pipeline stage: vLLM's split of the decoder
+    layers (``VLLM_PP_LAYER_PARTITION`` when set, else even with the remainder on the earlier stages)."""
+    from vllm.distributed import get_pp_group
+    from vllm.distributed.utils import get_pp_indices
+
+    group = get_pp_group()
+    start, end = get_pp_indices(num_layers, group.rank_in_group, group.world_size)
+    return group.rank_in_group, group.world_size, start, end
+
+
+CPU_RAY_RESOURCE = "vllm_cpu_rank"
+
+
+def cpu_ray_executor(vllm_config) -> bool:
+    """Ledger 8: serve on CPU through Ray (``--distributed-executor-backend ray``) with :class:`CpuRayExecutor`.
+    Returns whether it replaced the backend."""
+    parallel = vllm_config.parallel_config
+    if parallel.distributed_executor_backend != "ray" or not is_cpu_platform():
+        return False
+    parallel.distributed_executor_backend = __getattr__("CpuRayExecutor")
+    return True
+
+
+def cpu_ray_setup() -> None:
+    """Make vLLM's Ray executor place and start CPU ranks in this process (ledger 8): the engine process and,
+    through Ray's ``worker_process_setup_hook``, every Ray worker process of the job. Idempotent."""
+    import ray
+    from vllm.platforms import current_platform
+    from vllm.v1.executor import ray_executor_v2
+
+    if current_platform.is_cpu() and not current_platform.ray_device_key:
+        type(current_platform).ray_device_key = CPU_RAY_RESOURCE
+    proc = ray_executor_v2.RayWorkerProc
+    if not getattr(proc, "_glm53_cpu", False):
+        def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
+            return ray.get_runtime_context().get_node_id(), []  # a CPU rank has no device ids
+
+        proc.get_node_and_physical_gpu_ids = get_node_and_physical_gpu_ids
+        proc._glm53_cpu = True
+
+
+def _cpu_ray_executor_class():
+    from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
+
+    class CpuRayExecutor(RayExecutorV2):
+        """vLLM's Ray executor for CPU ranks (ledger 8)."""
+
+        def _init_executor(self) -> None:
+            cpu_ray_setup()
+            runtime_env = dict(self.parallel_config.ray_runtime_env or {})
+            runtime_env["worker_process_setup_hook"] = f"{__name__}.cpu_ray_setup"
+            self.parallel_config.ray_runtime_env = runtime_env
+            super()._init_executor()
+
+    CpuRayExecutor.__module__, CpuRayExecutor.__qualname__ = __name__, "CpuRayExecutor"
+    return CpuRayExecutor
+
+
+def expert_parallel_rank() -> tuple[int, int]:
+    """``(rank, size)`` of this process in the expert-parallel group the plugin's MoE uses: its tensor-parallel
+    group when ``--enable-expert-parallel`` is set, else ``(0, 1)``. vLLM's EP group spans TP x DP; the plugin
+    refuses EP with data parallel (its experts would need the DP ranks' tokens exchanged)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    parallel = get_current_vllm_config().parallel_config
+    if not getattr(parallel, "enable_expert_parallel", False):
+        return 0, 1
+    if parallel.data_parallel_size > 1:
+        raise ValueError("--enable-expert-parallel with --data-parallel-size > 1: the plugin's model partitions "
+                         "experts over the tensor-parallel ranks only")
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def cpu_pp_receive_buffer(vllm_config) -> bool:
+    """Ledger 7: on a CPU worker with pipeline parallel, allocate a later stage's receive buffer on first use when
+    no warm-up did (eager mode). Returns whether the fix is in place. Idempotent."""
+    if vllm_config.parallel_config.pipeline_parallel_size <= 1 or not is_cpu_platform():
+        return False
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner, "_glm53_receive_buffer", False):
+        return True
+    original = CPUModelRunner.sync_and_gather_intermediate_tensors
+
+    def sync_and_gather_intermediate_tensors(self, num_tokens, intermediate_tensors, sync_self):
+        if self.intermediate_tensors is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device)
+        return original(self, num_tokens, intermediate_tensors, sync_self)
+
+    CPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
+    CPUModelRunner._glm53_receive_buffer = True
+    return True
 
 
 def cpu_skip_gemm_dispatch(linear) -> None:

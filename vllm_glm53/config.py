@@ -120,6 +120,13 @@ class TextArch:
         logits (vllm_glm53/backends/latent_cache.py)."""
         return self.kv_lora_rank + 2 * self.index_head_dim
 
+    def selection_in_flight(self, boundary: int) -> bool:
+        """Whether the sparse selection of a ``full`` layer before ``boundary`` is still needed by a ``shared``
+        layer at or after it: the first MLA layer from ``boundary`` on is a ``shared`` one. A pipeline stage that
+        starts at ``boundary`` then receives the selection with the residual streams."""
+        first_mla = next((i for i in range(boundary, self.num_layers) if not self.is_kda(i)), None)
+        return first_mla is not None and self.indexer_types[first_mla] == "shared"
+
     @property
     def index_select_width(self) -> int:
         """Width of one query's selected-token row: top-k tokens of whole pools plus the incomplete tail."""

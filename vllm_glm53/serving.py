@@ -84,6 +84,7 @@ class ServeOptions:
     """The serve options that decide whether a model can serve, from ``vllm serve`` arguments or a VllmConfig."""
 
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     expert_parallel: bool = False
     eplb: bool = False
     lora: bool = False
@@ -93,6 +94,7 @@ class ServeOptions:
     attention_backend: str | None = None
     sparse_indexer_topk_backend: str = "auto"
     prefix_caching: bool = False  # vLLM turns it on by default for this (hybrid) model
+    platform: str | None = None  # vLLM platform name (cpu, cuda, ...), None where unknown
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,13 @@ class ModelCapabilities:
     own_attention_backends: bool  # ignores --attention-backend / --sparse-indexer-topk-backend
     expert_parallel: bool  # MixtureOfExperts is not enough: the experts must really be partitioned
     prefix_caching_with_drafts: bool  # hybrid-state snapshots at block boundaries with speculative decoding
+    eplb: bool  # expert-parallel load balancing (redundant experts, rebalancing)
+    # EP only over the tensor-parallel ranks (no data parallel) and only for experts kept unquantized, which on CPU
+    # includes FP8 checkpoints (dequantized at load); quantized expert kernels keep every expert
+    expert_parallel_tp_only: bool
+    # speculative decoding together with pipeline parallel: vLLM 0.32's V1 scheduler and runner (the path on CPU)
+    # mis-schedule drafts with PP's batch queue (a step of 1 token carrying 2 draft ids), for any model
+    pp_with_speculation: bool
 
 
 # Speculative methods that need an interface of the target model (vLLM checks it when the drafter loads).
@@ -112,11 +121,14 @@ SPECULATIVE_NEEDS = {"eagle": "SupportsEagle", "eagle3": "SupportsEagle3", "dfla
 
 PLUGIN_MODEL = ModelCapabilities(
     name=PLUGIN,
-    interfaces=frozenset({"HasInnerState", "IsHybrid", "SupportsMultiModal"}),
+    interfaces=frozenset({"HasInnerState", "IsHybrid", "SupportsMultiModal", "SupportsPP"}),
     fp8_kv_cache=False,  # the latent cache stores the model dtype (backends/latent_cache.py)
     quantizations=frozenset({"fp8", "glm5_next_fp8", "ascend", "glm5_next_mxfp8"}),
     own_attention_backends=True,
-    expert_parallel=False,
+    expert_parallel=True,  # over the TP ranks, unquantized/dequantized experts (model/moe.py)
+    eplb=False,
+    expert_parallel_tp_only=True,
+    pp_with_speculation=False,
     # The plugin keeps a whole KDA state (conv window + recurrent state) per draft position; vLLM's align-mode
     # state copies for drafts assume one conv window extended by the draft length.
     prefix_caching_with_drafts=False,
@@ -131,6 +143,9 @@ VLLM_MODEL = ModelCapabilities(
     own_attention_backends=False,
     expert_parallel=True,
     prefix_caching_with_drafts=True,
+    eplb=True,
+    expert_parallel_tp_only=False,
+    pp_with_speculation=True,
 )
 
 
@@ -158,10 +173,24 @@ def refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
     if need and need not in model.interfaces:
         out.append(f"--speculative-config method {options.speculative_method}: the drafter needs {need} (the "
                    f"target's auxiliary hidden states), which {who} does not provide; use method mtp")
+    if (options.pipeline_parallel_size > 1 and options.speculative_method and not model.pp_with_speculation
+            and "SupportsPP" in model.interfaces):
+        out.append(f"--speculative-config method {options.speculative_method} with --pipeline-parallel-size "
+                   f"{options.pipeline_parallel_size}: {who} runs on vLLM's V1 model runner, whose scheduler hands a "
+                   "pipeline of steps drafts that do not match their scheduled tokens (vLLM 0.32); use one or the "
+                   "other")
     if options.expert_parallel and not model.expert_parallel:
         out.append(f"--enable-expert-parallel: {who} does not partition experts across ranks (every rank would keep "
                    "a tensor-parallel slice of every expert)")
-    if options.eplb and not model.expert_parallel:
+    if options.expert_parallel and model.expert_parallel and model.expert_parallel_tp_only:
+        if options.data_parallel_size > 1:
+            out.append(f"--enable-expert-parallel with --data-parallel-size {options.data_parallel_size}: {who} "
+                       "partitions experts over the tensor-parallel ranks only")
+        dequantized = options.platform == "cpu" and options.quantization in (None, "fp8", "glm5_next_fp8")
+        if options.quantization is not None and not dequantized:
+            out.append(f"--enable-expert-parallel with quantization {options.quantization}: {who} partitions "
+                       "unquantized experts only (and FP8 ones on CPU, which it dequantizes at load)")
+    if options.eplb and not model.eplb:
         out.append(f"--enable-eplb: {who} has no expert-parallel load balancing")
     if options.kv_cache_dtype.startswith("fp8") and not model.fp8_kv_cache:
         out.append(f"--kv-cache-dtype {options.kv_cache_dtype}: {who} keeps its latent cache in the model dtype")

@@ -173,3 +173,26 @@ def multimodal_processor(model: str, **model_config_kwargs):
 
     load_general_plugins()
     return MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=str(model), **model_config_kwargs))
+
+
+def parameter_bytes(model) -> dict:
+    """What one worker's model holds (``LLM.apply_model(parameter_bytes)``; a module-level function pickles by
+    reference into the workers): parameter bytes in all and of the routed experts, the decoder layers this
+    rank built (pipeline parallel), the routed experts per MoE block (expert parallel) and, in a Ray worker, the
+    Ray node it runs on."""
+    total = experts = 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        total += size
+        if ".experts." in name:
+            experts += size
+    inner = getattr(model, "model", model)
+    built = [i for i, layer in enumerate(getattr(inner, "layers", [])) if any(True for _ in layer.parameters())]
+    stacks = [m for m in model.modules() if hasattr(m, "num_local")]
+    import sys
+
+    ray = sys.modules.get("ray")
+    node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
+    return {"total": total, "experts": experts, "layers": built, "ray_node": node,
+            "experts_per_block": sorted({m.num_local for m in stacks}),
+            "first_experts": sorted({m.first_expert for m in stacks})}

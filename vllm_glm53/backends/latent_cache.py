@@ -32,6 +32,12 @@ class LatentCacheMetadataBuilder(AttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            # Each pipeline stage orders its batch by its own backends' thresholds, and the rows that cross a stage
+            # boundary must be in the same order on both sides: a stage with sparse-MLA layers only asks for the
+            # order the KDA layers' (GDN) builder asks for on the other stages, decodes (and speculative
+            # verifications) first.
+            self._init_reorder_batch_threshold(1, supports_spec_as_decode=vllm_config.speculative_config is not None)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> LatentCachePlan:
         m = common_attn_metadata

@@ -184,7 +184,7 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
                                                  self.indexer.index_kpool_compress_ape, a.kv_lora_rank, a.index_topk,
                                                  a.index_kpool)
         else:
-            selection = shared_selection
+            selection = shared_selection[:n]  # a previous pipeline stage's selection may carry pad rows
         o_lat = torch.zeros_like(q_lat)
         o_lat[:n] = mla_ops.sparse_latent_attention_paged(q_lat[:n], rows, plan, selection, self.scale,
                                                           a.kv_lora_rank)
@@ -195,8 +195,8 @@ def _sparse_mla_impl(q_lat: torch.Tensor, new_rows: torch.Tensor, q_idx: torch.T
                      w_idx: torch.Tensor | None, shared_selection: torch.Tensor | None,
                      layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     o_lat, selection = forward_layer(layer_name).attend(q_lat, new_rows, q_idx, w_idx, shared_selection)
-    # A custom op may not return one of its inputs: a shared layer passes a copy of the selection on.
-    return o_lat, selection.clone() if selection is shared_selection else selection
+    # A custom op may not return one of its inputs (or a view of one): a shared layer passes a copy on.
+    return o_lat, selection.clone() if shared_selection is not None else selection
 
 
 def _sparse_mla_fake(q_lat: torch.Tensor, new_rows: torch.Tensor, q_idx: torch.Tensor | None,

@@ -11,19 +11,24 @@ arithmetic (through the attention metadata).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from vllm_glm53 import _vllm
 from vllm_glm53._vllm import (
     HasInnerState,
+    IntermediateTensors,
     IsHybrid,
     MULTIMODAL_REGISTRY,
     LogitsProcessor,
     MambaStateCopyFuncCalculator,
     ParallelLMHead,
+    PPMissingLayer,
     SupportsMultiModal,
+    SupportsPP,
     VocabParallelEmbedding,
     serve_options,
 )
@@ -82,24 +87,80 @@ class Glm5NextDecoderLayer(nn.Module):
 
 
 class Glm5NextModel(nn.Module):
+    """The decoder stack, or this pipeline stage's part of it.
+
+    With pipeline parallel each stage builds only its layers (vLLM's split, :func:`_vllm.pipeline_stage`); the
+    others are ``PPMissingLayer`` placeholders with no parameters, as are the embedding off the first stage and
+    the final norm off the last. What crosses a stage boundary is the model's whole state between two layers:
+    the mHC residual streams ``[T, hc_mult, D]`` and, when the next stage's first MLA layer is a ``shared``
+    one, the selection of the last ``full`` layer before the boundary (``[T, index width]`` int64).
+    """
+
+    STREAMS = "hc_streams"
+    SELECTION = "shared_selection"
+
     def __init__(self, arch: TextArch, model_dtype: torch.dtype, prefix: str = "model") -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, prefix=f"{prefix}.embed_tokens")
+        rank, size, self.start_layer, self.end_layer = _vllm.pipeline_stage(arch.num_layers)
+        self.is_first_stage, self.is_last_stage = rank == 0, rank == size - 1
+        self.receives_selection = not self.is_first_stage and arch.selection_in_flight(self.start_layer)
+        self.sends_selection = not self.is_last_stage and arch.selection_in_flight(self.end_layer)
+        self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, prefix=f"{prefix}.embed_tokens")
+                             if self.is_first_stage else PPMissingLayer())
         self.layers = nn.ModuleList(
-            Glm5NextDecoderLayer(arch, i, model_dtype, prefix=f"{prefix}.layers.{i}") for i in range(arch.num_layers)
+            Glm5NextDecoderLayer(arch, i, model_dtype, prefix=f"{prefix}.layers.{i}")
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        e = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        X = e.unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
+    def owns(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` (canonical, flat) belongs to this stage."""
+        if name.startswith("model.embed_tokens."):
+            return self.is_first_stage
+        if name.startswith("model.norm.") or name.startswith("lm_head."):
+            return self.is_last_stage
+        m = _LAYER_INDEX.match(name)
+        if m is not None and int(m.group(1)) < self.arch.num_layers:
+            return self.start_layer <= int(m.group(1)) < self.end_layer
+        return True
+
+    def make_empty_intermediate_tensors(self, batch_size: int, dtype: torch.dtype,
+                                        device: torch.device) -> IntermediateTensors:
+        """The receive buffer of this stage (vLLM slices it to each step's tokens)."""
+        a = self.arch
+        tensors = {self.STREAMS: torch.zeros(batch_size, a.hc_mult, a.hidden_size, dtype=dtype, device=device)}
+        if self.receives_selection:
+            tensors[self.SELECTION] = torch.full((batch_size, a.index_select_width), -1, dtype=torch.int64,
+                                                 device=device)
+        return IntermediateTensors(tensors)
+
+    def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None = None,
+                intermediate_tensors: IntermediateTensors | None = None):
         selection = None
-        for layer in self.layers:
+        if self.is_first_stage:
+            e = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            X = e.unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
+        else:
+            X = intermediate_tensors[self.STREAMS]
+            if self.receives_selection:
+                selection = intermediate_tensors[self.SELECTION]
+        for layer in self.layers[self.start_layer:self.end_layer]:
             X, selection = layer(X, selection)
+        if not self.is_last_stage:
+            out = {self.STREAMS: X}
+            if self.sends_selection:
+                # the selection covers the step's scheduled tokens; pad rows (if any) select nothing
+                pad = X.shape[0] - selection.shape[0]
+                out[self.SELECTION] = torch.nn.functional.pad(selection, (0, 0, 0, pad), value=-1) if pad else selection
+            return IntermediateTensors(out)
         # Final collapse is a plain mean over the streams (no learned head weights in GLM-5.3).
         h = X.to(torch.float32).mean(dim=1).to(X.dtype)
         return self.norm(h)
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def check_serve_options(vllm_config) -> None:
@@ -112,30 +173,37 @@ def check_serve_options(vllm_config) -> None:
                          "VLLM_GLM53_MODEL).")
 
 
-class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid):
-    """Flat (text-only) checkpoints: ``model.*`` and ``lm_head``."""
+class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
+    """Flat (text-only) checkpoints: ``model.*`` and ``lm_head``. The LM head lives on the last pipeline stage."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
         check_serve_options(vllm_config)
+        _vllm.cpu_pp_receive_buffer(vllm_config)
         hf_config = vllm_config.model_config.hf_config
         self.arch = text_arch(hf_config)
         self.model_dtype = vllm_config.model_config.dtype
         self.model = Glm5NextModel(self.arch, self.model_dtype, prefix="model")
-        self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size, prefix="lm_head")
+        self.lm_head = (ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size, prefix="lm_head")
+                        if self.model.is_last_stage else PPMissingLayer())
         self.logits_processor = LogitsProcessor(self.arch.vocab_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
-        return self.model(input_ids, inputs_embeds)
+        return self.model(input_ids, inputs_embeds, intermediate_tensors)
+
+    def make_empty_intermediate_tensors(self, batch_size: int, dtype: torch.dtype,
+                                        device: torch.device) -> IntermediateTensors:
+        return self.model.make_empty_intermediate_tensors(batch_size, dtype, device)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loader = WeightLoader(self, self.arch.num_layers, skip=lambda name: name.startswith("model.visual."))
+        loader = WeightLoader(self, self.arch.num_layers,
+                              skip=lambda name: name.startswith("model.visual.") or not self.model.owns(name))
         loaded = loader.load(weights)
         loader.check_complete()
         return loaded
@@ -171,7 +239,9 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM, SupportsMultiModal):
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         mm_config = vllm_config.model_config.multimodal_config
-        if mm_config is not None and any(mm_config.get_limit_per_prompt(m) > 0 for m in ("image", "video")):
+        # vLLM runs the encoder on the first pipeline stage only
+        wanted = mm_config is not None and any(mm_config.get_limit_per_prompt(m) > 0 for m in ("image", "video"))
+        if wanted and self.model.is_first_stage:
             self.visual = Glm5NextVisionTower(vision_arch(vllm_config.model_config.hf_config), prefix="visual")
         else:
             self.visual = None
@@ -221,7 +291,7 @@ class Glm5NextForConditionalGeneration(Glm5NextForCausalLM, SupportsMultiModal):
                 else:
                     yield name, tensor
 
-        loader = WeightLoader(self, self.arch.num_layers)
+        loader = WeightLoader(self, self.arch.num_layers, skip=lambda name: not self.model.owns(name))
         loaded = set(loader.load(text_tensors()))
         loader.check_complete(optional=[n for n in loader.params if n.startswith("visual.")])
         if self.visual is not None:

@@ -1,5 +1,8 @@
 """Dense MLP and mixture-of-experts blocks (architecture.md §4, §8), tensor-parallel over the intermediate
-dimension.
+dimension, or with ``--enable-expert-parallel`` (unquantized or dequantized-at-load experts) the routed experts
+partitioned whole across the tensor-parallel ranks: rank r holds experts ``[r E/ep, (r+1) E/ep)`` with their full
+intermediate dimension, in the same stacked ``[experts, out, in]`` layout, and computes the (token, expert) pairs
+routed to them; the shared expert stays sliced over TP, and one all-reduce sums both kinds of partial output.
 
 Why not vLLM's fused MoE on CPU: its CPU expert kernels take only an activation name and silently drop
 ``swiglu_limit``, so GLM-5.3's clamped SwiGLU would be computed unclamped. The experts here run through
@@ -17,6 +20,7 @@ import logging
 import torch
 from torch import nn
 
+from vllm_glm53 import _vllm
 from vllm_glm53._vllm import (
     MergedColumnParallelLinear,
     RowParallelLinear,
@@ -69,12 +73,16 @@ class Glm5NextMoE(nn.Module):
             raise ValueError(f"moe_intermediate_size {arch.moe_intermediate_size} is not divisible by TP {tp}")
         self.tp_size, self.tp_rank = tp, get_tensor_model_parallel_rank()
         E, D = arch.n_routed_experts, arch.hidden_size
+        self.ep_rank, self.ep_size = _vllm.expert_parallel_rank()
+        if E % self.ep_size:
+            raise ValueError(f"--enable-expert-parallel: {E} routed experts cannot be split evenly over "
+                             f"{self.ep_size} ranks")
         # The router runs in float32 (as the reference does); the bias only steers the choice of experts.
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.empty(E, D), requires_grad=False)
         self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
         self.experts = _routed_experts(arch, layer_quant(), prefix, self.tp_rank, tp,
-                                       Router(arch, self.gate.e_score_correction_bias))
+                                       Router(arch, self.gate.e_score_correction_bias), self.ep_rank, self.ep_size)
         self.shared_experts = (
             Glm5NextMLP(D, arch.moe_intermediate_size * arch.n_shared_experts, arch.swiglu_limit,
                         f"{prefix}.shared_experts", reduce_results=False)
@@ -110,22 +118,32 @@ class Router:
 
 
 class StackedExperts(nn.Module):
-    """Every expert's weights stacked in the model dtype: ``w13 [E, 2*I_tp, D]`` (rows gate | up, the checkpoint's
-    gate_proj/up_proj row slices) and ``w2 [E, D, I_tp]``. FP8 checkpoints are dequantized into them at load where
-their experts do not stay FP8 (:mod:`vllm_glm53.quant.plan`)."""
+    """The experts' weights stacked in the model dtype: ``w13 [E_local, 2*I_tp, D]`` (rows gate | up, the checkpoint's
+    gate_proj/up_proj row slices) and ``w2 [E_local, D, I_tp]``. FP8 checkpoints are dequantized into them at load
+    where their experts do not stay FP8 (:mod:`vllm_glm53.quant.plan`).
+
+    Tensor parallel: every expert, this rank's slice ``I_tp`` of each intermediate dimension. Expert parallel
+    (``first_expert``, ``num_local``): whole experts ``[first_expert, first_expert + num_local)`` only, ``I_tp`` the
+    full dimension; the other experts' checkpoint tensors are skipped, never allocated."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, tp_rank: int, swiglu_limit: float,
-                 router: Router) -> None:
+                 router: Router, first_expert: int = 0, num_local: int | None = None) -> None:
         super().__init__()
         self.num_experts, self.inter, self.swiglu_limit, self.router = num_experts, inter, swiglu_limit, router
         self.lo, self.hi = tp_rank * inter, (tp_rank + 1) * inter
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+        self.first_expert = first_expert
+        self.num_local = num_experts if num_local is None else num_local
+        self.partitioned = self.num_local != num_experts
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, inter), requires_grad=False)
 
     def load(self, expert: int, which: str, leaf: str, weight) -> list[str]:
         if leaf != "weight":
             raise ValueError(f"experts.{expert}.{which}.{leaf}: the checkpoint's experts are not quantized "
                              f"in a form this platform runs")
+        if not 0 <= expert - self.first_expert < self.num_local:
+            return []  # another expert-parallel rank's expert
+        expert -= self.first_expert
         if isinstance(weight, BlockFp8Weight):
             weight = weight.dequantize(self.w13.dtype)
         if which == "down_proj":
@@ -137,15 +155,36 @@ their experts do not stay FP8 (:mod:`vllm_glm53.quant.plan`)."""
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(router_logits)
-        return moe_ops.routed_experts(x, self.w13, self.w2, ids, weights, self.swiglu_limit)
+        if not self.partitioned:
+            return moe_ops.routed_experts(x, self.w13, self.w2, ids, weights, self.swiglu_limit)
+        # Expert parallel: only the (token, choice) pairs routed to this rank's experts, each as a one-expert row.
+        local = ids - self.first_expert
+        token, choice = ((local >= 0) & (local < self.num_local)).nonzero(as_tuple=True)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if token.numel():
+            y = moe_ops.routed_experts(x[token], self.w13, self.w2, local[token, choice].unsqueeze(1),
+                                       weights[token, choice].unsqueeze(1), self.swiglu_limit)
+            out.index_add_(0, token, y)
+        return out
 
 
 def _routed_experts(arch: TextArch, quant: LayerQuant | None, prefix: str, tp_rank: int, tp_size: int,
-                    router: Router) -> nn.Module:
+                    router: Router, ep_rank: int = 0, ep_size: int = 1) -> nn.Module:
     """The expert stack the plan asks for: unquantized (or dequantized at load) unless the checkpoint stores
     the experts quantized and this platform runs them so."""
     E, D, inter = arch.n_routed_experts, arch.hidden_size, arch.moe_intermediate_size // tp_size
     scheme = quant.experts_scheme(prefix, E) if quant is not None else None
+    if ep_size > 1 and (scheme is None or (scheme == "fp8" and quant.backend == "cpu")):
+        if scheme is not None:
+            # The compiled FP8 expert kernel reads every expert's TP slice; under EP this rank's whole experts
+            # take the dequantize-at-load stack (what serving.refusals promises for FP8 on CPU).
+            logger.warning("vllm-glm53: %s.experts are dequantized at load under expert parallel", prefix)
+        local = E // ep_size
+        return StackedExperts(E, D, arch.moe_intermediate_size, 0, arch.swiglu_limit, router,
+                              first_expert=ep_rank * local, num_local=local)
+    if ep_size > 1:
+        raise ValueError(f"--enable-expert-parallel: the plugin's model partitions unquantized (or "
+                         f"dequantized-at-load) experts only; this checkpoint's experts run as {scheme} here")
     if scheme is None:
         return StackedExperts(E, D, inter, tp_rank, arch.swiglu_limit, router)
     if scheme == "w8a8":

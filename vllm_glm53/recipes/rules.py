@@ -192,8 +192,9 @@ def _rule_glm_flags(c: RuleContext) -> str | None:
 _WEIGHTS_QUANTIZATION = {"fp8-block": "fp8", "nvfp4": "nvfp4", "w8a8": "ascend"}  # checkpoint -> vLLM method
 
 
-def serve_options(args: Sequence[str], weights: str) -> serving.ServeOptions:
-    """What :func:`serving.refusals` judges, read from a finished ``vllm serve`` argument list."""
+def serve_options(args: Sequence[str], weights: str, platform: str | None = None) -> serving.ServeOptions:
+    """What :func:`serving.refusals` judges, read from a finished ``vllm serve`` argument list (``platform``: the
+    hardware's vLLM platform name)."""
     spec = last_value(args, "--speculative-config")
     method = None
     if spec:
@@ -210,6 +211,8 @@ def serve_options(args: Sequence[str], weights: str) -> serving.ServeOptions:
             raise RecipeError(f"--attention-config is not a JSON object: {config}") from None
     return serving.ServeOptions(
         pipeline_parallel_size=int(last_value(args, "--pipeline-parallel-size") or 1),
+        data_parallel_size=int(last_value(args, "--data-parallel-size") or 1),
+        platform=platform,
         expert_parallel=has_flag(args, "--enable-expert-parallel"),
         eplb=has_flag(args, "--enable-eplb"),
         lora=has_flag(args, "--enable-lora"),
@@ -227,7 +230,7 @@ def _rule_serving_model(c: RuleContext) -> str | None:
     start-up)."""
     model = serving.capabilities(c.served.model)
     for launch in c.serve:
-        problems = serving.refusals(model, serve_options(launch.args, c.variant.weights))
+        problems = serving.refusals(model, serve_options(launch.args, c.variant.weights, c.hw.platform))
         if problems:
             return "; ".join(problems)
     return None

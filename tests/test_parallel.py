@@ -1,0 +1,113 @@
+"""Beyond one process group: pipeline parallel (mp and Ray across two nodes), expert parallel and data parallel for
+the plugin's model, each against transformers on the same float32 checkpoint: a batch of prompts from 3 to 190
+tokens (index_topk is 8, so sparse selection drops positions), ``max_num_seqs`` 3 so that steps mix prefills with
+decodes, every generated token's logprob compared.
+
+Engine starts dominate the cost (about a minute each on 2 idle cores), so each scenario is one engine.
+"""
+
+import concurrent.futures
+import re
+
+import pytest
+import requests
+
+from conftest import hf_greedy, hf_model, prompt_set, run_engine, served
+from test_model_parity import assert_parity
+
+pytestmark = pytest.mark.engine
+
+LENGTHS = [3, 24, 77, 190]
+MAX_TOKENS = [12, 8, 12, 10]
+BIND_2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    path = tiny_ckpt("default")
+    prompts = prompt_set(path, LENGTHS)
+    return path, prompts, hf_greedy(hf_model(path), prompts, MAX_TOKENS)
+
+
+def test_pipeline_parallel_2_matches_transformers(reference):
+    """Two stages split 4 | 1: stage 1 starts with the ``shared`` MLA layer 4, so the mHC streams and the selection
+    of layer 3's indexer cross the boundary; the CPU recipe's eager mode (the receive-buffer fix, ledger 7)."""
+    path, prompts, want = reference
+    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, param_bytes=True,
+                            engine={"pipeline_parallel_size": 2, "max_num_seqs": 3},
+                            env={**BIND_2, "VLLM_PP_LAYER_PARTITION": "4,1"})
+    assert_parity(got, want)
+    # each stage built only its layers (the others hold no parameters)
+    assert [s["layers"] for s in sizes] == [[0, 1, 2, 3], [4]]
+
+
+def test_tensor_parallel_2_with_expert_parallel_matches_transformers(reference):
+    """``--enable-expert-parallel`` over TP 2: each rank holds 4 of the 8 experts whole (rank 0 experts 0-3, rank 1
+    experts 4-7, in every MoE block), attention and the shared expert stay tensor-parallel."""
+    path, prompts, want = reference
+    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, param_bytes=True,
+                            engine={"tensor_parallel_size": 2, "enable_expert_parallel": True, "max_num_seqs": 3},
+                            env=BIND_2)
+    assert_parity(got, want)
+    assert [(s["experts_per_block"], s["first_experts"]) for s in sizes] == [([4], [0]), ([4], [4])]
+
+
+@pytest.fixture(scope="module")
+def two_node_ray_cluster():
+    """A Ray cluster of two nodes on this machine (Ray's own local-cluster utility: a head and a second raylet),
+    each offering one CPU rank (``vllm_cpu_rank``, ledger 8 in vllm_glm53/_vllm.py), so PP 2 must place one stage
+    on each node."""
+    pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from vllm_glm53._vllm import CPU_RAY_RESOURCE
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {CPU_RAY_RESOURCE: 1}})
+    cluster.add_node(num_cpus=1, resources={CPU_RAY_RESOURCE: 1})
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def test_pipeline_parallel_2_over_ray_on_two_nodes_matches_transformers(reference, two_node_ray_cluster):
+    path, prompts, want = reference
+    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, param_bytes=True,
+                            engine={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray",
+                                    "max_num_seqs": 3},
+                            env={"RAY_ADDRESS": two_node_ray_cluster.address, "OMP_NUM_THREADS": "1"})
+    assert_parity(got, want)
+    assert [s["layers"] for s in sizes] == [[0, 1, 2], [3, 4]]  # vLLM's default split of 5 layers
+    nodes = [s["ray_node"] for s in sizes]
+    assert None not in nodes and len(set(nodes)) == 2, f"stages ran on Ray nodes {nodes}"
+
+
+def _requests_per_engine(url: str) -> dict[str, float]:
+    """Finished requests per DP engine, from the server's Prometheus metrics."""
+    counts: dict[str, float] = {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = re.search(r'engine="(\d+)"', line).group(1)
+            counts[engine] = counts.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_data_parallel_2_serves_concurrent_streams_like_transformers(reference):
+    """``vllm serve --data-parallel-size 2`` on CPU (one engine core and worker per DP rank, one core each): the
+    prompts sent concurrently, in two rounds, are spread over both engines and each answer is transformers'."""
+    path, prompts, want = reference
+    with served(path, ("--data-parallel-size", "2"), env=BIND_2) as server:
+        def complete(i):
+            body = {"model": "glm-5.3-tiny", "prompt": prompts[i], "max_tokens": MAX_TOKENS[i], "temperature": 0,
+                    "logprobs": 1, "return_tokens_as_token_ids": True}
+            r = requests.post(server["url"] + "/v1/completions", json=body, timeout=600)
+            r.raise_for_status()
+            lp = r.json()["choices"][0]["logprobs"]
+            return {"token_ids": [int(t.split(":")[1]) for t in lp["tokens"]], "logprobs": lp["token_logprobs"]}
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(complete, range(len(prompts)))) + list(pool.map(complete, range(len(prompts))))
+        per_engine = _requests_per_engine(server["url"])
+    assert_parity(got, want + want)
+    assert sorted(per_engine) == ["0", "1"] and all(n > 0 for n in per_engine.values()), per_engine
