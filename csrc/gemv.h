@@ -90,31 +90,30 @@ inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const*
 // Block sizes are multiples of kLanes (checked by the ops), so a lane group never straddles two blocks, and a
 // task's kRowsPerTask rows, starting at a multiple of kRowsPerTask inside a part, lie in one row block.
 
-// out[i] = x[i] * scale_row[i / bk] * 2^8, i < len: a token row times one row block's scales, for the direct
-// path's dot with E4M3 rows read as value * 2^-8.
-inline void scale_by_blocks(const float* x, const float* scale_row, int64_t len, int64_t bk, float* out) {
+// out[i] = src[i] * scale_row[i / bk] * 2^8, i < len: one row times one row block's scales (the two uses below).
+template <typename T>
+inline void times_block_scales(const T* src, const float* scale_row, int64_t len, int64_t bk, float* out) {
   for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
     const F16 s = set1(scale_row[kb] / kE4m3Unit);
     const int64_t b1 = std::min(b0 + bk, len);
     for (int64_t i = b0; i < b1; i += kLanes) {
       const int m = static_cast<int>(std::min<int64_t>(kLanes, b1 - i));
-      store(out + i, load(x + i, m) * s, m);
+      store(out + i, load(src + i, m) * s, m);
     }
   }
+}
+
+// out[i] = x[i] * scale_row[i / bk] * 2^8, i < len: a token row times one row block's scales, for the direct
+// path's dot with E4M3 rows read as value * 2^-8.
+inline void scale_by_blocks(const float* x, const float* scale_row, int64_t len, int64_t bk, float* out) {
+  times_block_scales(x, scale_row, len, bk, out);
 }
 
 // out[i] = float(w[i]) * scale_row[i / bk], i < len: one weight row dequantized. value * 2^-8 and scale * 2^8
 // are exact, so each product is float(w) * scale rounded once: the float32 values of the reference
 // dequantization (quant/fp8_block.py), bit for bit.
 inline void dequantize_row(const E4m3* w, const float* scale_row, int64_t len, int64_t bk, float* out) {
-  for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
-    const F16 s = set1(scale_row[kb] / kE4m3Unit);
-    const int64_t b1 = std::min(b0 + bk, len);
-    for (int64_t i = b0; i < b1; i += kLanes) {
-      const int m = static_cast<int>(std::min<int64_t>(kLanes, b1 - i));
-      store(out + i, load(w + i, m) * s, m);
-    }
-  }
+  times_block_scales(w, scale_row, len, bk, out);
 }
 
 // The block sizes and scale grid the block-FP8 ops accept ("what": the op, for the message).

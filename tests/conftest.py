@@ -144,6 +144,13 @@ def hf_greedy(model, prompts, max_tokens) -> list[dict]:
     return results
 
 
+def greedy_reference(path, lengths, max_tokens) -> tuple:
+    """``(path, prompts, transformers' greedy outputs)`` for prompts of ``lengths`` on checkpoint ``path``: what
+    the engine parity tests compare against (build it in a module-scoped fixture)."""
+    prompts = prompt_set(path, lengths)
+    return path, prompts, hf_greedy(hf_model(path), prompts, max_tokens)
+
+
 def prompt_set(tokenizer_dir, lengths) -> list[list[int]]:
     """Token-id prompts of the given lengths cut from the shipped corpus (different starting points)."""
     from importlib import resources

@@ -7,7 +7,7 @@ of new prompts with decodes of running ones.
 
 import pytest
 
-from conftest import hf_greedy, hf_model, prompt_set, run_engine
+from conftest import greedy_reference, hf_greedy, hf_model, prompt_set, run_engine
 
 pytestmark = pytest.mark.engine
 
@@ -30,9 +30,7 @@ def assert_parity(got, want, atol=LOGPROB_ATOL):
 
 @pytest.fixture(scope="module")
 def nested(tiny_ckpt):
-    path = tiny_ckpt("default")
-    prompts = prompt_set(path, LENGTHS)
-    return path, prompts, hf_greedy(hf_model(path), prompts, MAX_TOKENS)
+    return greedy_reference(tiny_ckpt("default"), LENGTHS, MAX_TOKENS)
 
 
 def test_nested_mixed_batch_matches_transformers(nested):

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from conftest import hf_greedy, hf_model, prompt_set, run_engine
+from conftest import greedy_reference, hf_greedy, hf_model, prompt_set, run_engine
 from vllm_glm53.tiny import make_exact_mtp
 
 pytestmark = pytest.mark.engine
@@ -27,9 +27,7 @@ def _acceptance(metrics):
 
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt):
-    path = tiny_ckpt("default")
-    prompts = prompt_set(path, LENGTHS)
-    return path, prompts, hf_greedy(hf_model(path), prompts, MAX_TOKENS)
+    return greedy_reference(tiny_ckpt("default"), LENGTHS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("method,n", [("mtp", 1), ("deepseek_mtp", 3)])

@@ -4,16 +4,14 @@ reference forms the kernels are tested against are themselves held to transforme
 
 import pytest
 
-from conftest import hf_greedy, hf_model, prompt_set, run_engine
+from conftest import greedy_reference, run_engine
 from test_model_parity import LENGTHS, MAX_TOKENS, assert_parity
 
 pytestmark = pytest.mark.engine
 
 
 def test_torch_ops_engine_matches_transformers(tiny_ckpt):
-    path = tiny_ckpt("default")
-    prompts = prompt_set(path, LENGTHS)
-    want = hf_greedy(hf_model(path), prompts, MAX_TOKENS)
+    path, prompts, want = greedy_reference(tiny_ckpt("default"), LENGTHS, MAX_TOKENS)
     got = run_engine(path, prompts, MAX_TOKENS, engine={"max_num_seqs": 3}, logprobs=1,
                      env={"VLLM_GLM53_CPU_KERNELS": "0"})
     assert_parity(got, want)

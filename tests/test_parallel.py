@@ -12,7 +12,7 @@ import re
 import pytest
 import requests
 
-from conftest import hf_greedy, hf_model, prompt_set, run_engine, served
+from conftest import greedy_reference, run_engine, served
 from test_model_parity import assert_parity
 
 pytestmark = pytest.mark.engine
@@ -24,9 +24,7 @@ BIND_2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
 
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt):
-    path = tiny_ckpt("default")
-    prompts = prompt_set(path, LENGTHS)
-    return path, prompts, hf_greedy(hf_model(path), prompts, MAX_TOKENS)
+    return greedy_reference(tiny_ckpt("default"), LENGTHS, MAX_TOKENS)
 
 
 def test_pipeline_parallel_2_matches_transformers(reference):
