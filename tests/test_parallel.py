@@ -32,7 +32,8 @@ def test_pipeline_parallel_2_matches_transformers(reference):
     of layer 3's indexer cross the boundary; the CPU recipe's eager mode (the receive-buffer fix, ledger 7)."""
     path, prompts, want = reference
     got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, param_bytes=True,
-                            engine={"pipeline_parallel_size": 2, "max_num_seqs": 3},
+                            engine={"pipeline_parallel_size": 2, "max_num_seqs": 3,
+                                    "enable_prefix_caching": False},
                             env={**BIND_2, "VLLM_PP_LAYER_PARTITION": "4,1"})
     assert_parity(got, want)
     # each stage built only its layers (the others hold no parameters)
@@ -73,7 +74,7 @@ def test_pipeline_parallel_2_over_ray_on_two_nodes_matches_transformers(referenc
     path, prompts, want = reference
     got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, param_bytes=True,
                             engine={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray",
-                                    "max_num_seqs": 3},
+                                    "enable_prefix_caching": False, "max_num_seqs": 3},
                             env={"RAY_ADDRESS": two_node_ray_cluster.address, "OMP_NUM_THREADS": "1"})
     assert_parity(got, want)
     assert [s["layers"] for s in sizes] == [[0, 1, 2], [3, 4]]  # vLLM's default split of 5 layers

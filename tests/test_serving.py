@@ -249,13 +249,15 @@ def test_pipeline_and_expert_parallel_are_served_but_not_with_speculation(engine
     from vllm_glm53.model.model import check_serve_options
     from vllm_glm53.recipes import serve_options
 
-    check_serve_options(engine_config(pipeline_parallel_size=2))
+    check_serve_options(engine_config(pipeline_parallel_size=2, enable_prefix_caching=False))
     check_serve_options(engine_config(tensor_parallel_size=2, enable_expert_parallel=True))
-    config = engine_config(pipeline_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    config = engine_config(pipeline_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+                           enable_prefix_caching=False)
     with set_current_vllm_config(config), pytest.raises(ValueError, match="cannot serve this configuration") as err:
         Glm5NextForConditionalGeneration(vllm_config=config)
     assert "--pipeline-parallel-size 2" in str(err.value) and "--speculative-config method mtp" in str(err.value)
-    argv = ["--pipeline-parallel-size", "2", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']
+    argv = ["--pipeline-parallel-size", "2", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
+            "--no-enable-prefix-caching"]
     from_command_line = serving.refusals(serving.PLUGIN_MODEL, serve_options(argv, "bf16"))
     assert len(from_command_line) == 1 and from_command_line[0] in str(err.value)
 
@@ -284,6 +286,21 @@ def test_prefix_caching_with_mtp_is_refused_at_start_up_naming_the_flags(engine_
     assert config.cache_config.mamba_cache_mode == "none" and config.scheduler_config.enable_chunked_prefill
     opts = serving.ServeOptions(speculative_method="mtp", prefix_caching=True)
     assert serving.refusals(serving.PLUGIN_MODEL, opts) and not serving.refusals(serving.VLLM_MODEL, opts)
+
+
+def test_prefix_caching_with_pipeline_parallel_is_refused_at_start_up_naming_the_flags(engine_config):
+    """A pipeline stage of MLA layers only has no hybrid state for vLLM's align mode (its worker asserts); the
+    plugin refuses the combination before vLLM sizes caches, and the recipe builder adds the flag that avoids it."""
+    from vllm_glm53.recipes import serve_options
+
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 2") as err:
+        engine_config(pipeline_parallel_size=2)  # prefix caching on: vLLM's default
+    assert "--no-enable-prefix-caching" in str(err.value)
+    assert engine_config(pipeline_parallel_size=2, enable_prefix_caching=False).cache_config.mamba_cache_mode == "none"
+    argv = ["--pipeline-parallel-size", "2"]
+    assert serving.refusals(serving.PLUGIN_MODEL, serve_options(argv, "bf16"))
+    assert not serving.refusals(serving.PLUGIN_MODEL, serve_options([*argv, "--no-enable-prefix-caching"], "bf16"))
+    assert not serving.refusals(serving.VLLM_MODEL, serve_options(argv, "bf16"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

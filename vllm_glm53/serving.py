@@ -107,6 +107,7 @@ class ModelCapabilities:
     own_attention_backends: bool  # ignores --attention-backend / --sparse-indexer-topk-backend
     expert_parallel: bool  # MixtureOfExperts is not enough: the experts must really be partitioned
     prefix_caching_with_drafts: bool  # hybrid-state snapshots at block boundaries with speculative decoding
+    prefix_caching_with_pp: bool  # the same under pipeline parallel (vLLM wants KDA layers on every stage)
     eplb: bool  # expert-parallel load balancing (redundant experts, rebalancing)
     # EP only over the tensor-parallel ranks (no data parallel) and only for experts kept unquantized, which on CPU
     # includes FP8 checkpoints (dequantized at load); quantized expert kernels keep every expert
@@ -132,6 +133,9 @@ PLUGIN_MODEL = ModelCapabilities(
     # The plugin keeps a whole KDA state (conv window + recurrent state) per draft position; vLLM's align-mode
     # state copies for drafts assume one conv window extended by the draft length.
     prefix_caching_with_drafts=False,
+    # vLLM's align mode asserts that every stage's model has hybrid-state layers; a stage of MLA layers only
+    # (e.g. the last one) has none, and a split that keeps KDA on every stage is untested.
+    prefix_caching_with_pp=False,
 )
 
 VLLM_MODEL = ModelCapabilities(
@@ -143,6 +147,7 @@ VLLM_MODEL = ModelCapabilities(
     own_attention_backends=False,
     expert_parallel=True,
     prefix_caching_with_drafts=True,
+    prefix_caching_with_pp=True,
     eplb=True,
     expert_parallel_tp_only=False,
     pp_with_speculation=True,
@@ -158,6 +163,11 @@ def state_refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]
                 "position, which vLLM's prefix-cache state copies do not handle; add --no-enable-prefix-caching "
                 "(LLM(enable_prefix_caching=False)) to serve with drafts, or drop --speculative-config to keep "
                 "prefix caching"]
+    if options.prefix_caching and options.pipeline_parallel_size > 1 and not model.prefix_caching_with_pp:
+        return [f"prefix caching (vLLM's default for this model, or --enable-prefix-caching) with "
+                f"--pipeline-parallel-size {options.pipeline_parallel_size}: {DESCRIPTIONS[model.name]} does not keep "
+                "prefix-cache state snapshots across pipeline stages; add --no-enable-prefix-caching "
+                "(LLM(enable_prefix_caching=False)) to serve with pipeline parallel"]
     return []
 
 
