@@ -75,16 +75,9 @@ def ops():
     return torch.ops.vllm_glm53 if _loaded else None
 
 
-# What the compiled kernels read; other dtypes (float64, ...) take the torch code.
+# What the compiled kernels read (the dispatch's compiled-kernel check); other dtypes (float64, ...) take the
+# torch code.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def for_tensors(*tensors: torch.Tensor):
-    """:func:`ops` if the kernels are loaded and take these float tensors (on the CPU, a dtype they read)."""
-    found = ops()
-    if found is None or any(t.device.type != "cpu" or t.dtype not in KERNEL_DTYPES for t in tensors):
-        return None
-    return found
 
 
 def description() -> str:
