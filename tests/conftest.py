@@ -57,13 +57,11 @@ class EngineRunError(AssertionError):
 
 
 def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=False, timeout=900,
-               env=None, metrics=False, prompt_logprobs=False, model_values=(), conversation=None,
-               param_bytes=False):
+               env=None, metrics=False, prompt_logprobs=False, conversation=None, probe=None):
     """Greedy generation through ``vllm.LLM`` in a fresh process; returns token ids (and logprobs) per prompt,
-    and with ``metrics=True`` also the engine's counters: ``(results, {name: value})``; with ``model_values``
-    (dotted attribute paths of the model) ``(results, [{name: str(value)} per worker])``; with
-    ``param_bytes=True`` what each worker's model holds: ``(results, [vllm_glm53.testing.parameter_bytes per
-    worker])``. With ``conversation`` (``{"turns": [ids, ...], "max_tokens": n}``, see engine_runner.py) the same
+    and with ``metrics=True`` also the engine's counters: ``(results, {name: value})``; with ``probe`` (a
+    function of ``vllm_glm53.testing`` and its keyword arguments, see :func:`probe`) what it returns for each
+    worker's model: ``(results, [result per worker])``. With ``conversation`` (``{"turns": [ids, ...], "max_tokens": n}``, see engine_runner.py) the same
     engine then holds that conversation: ``(results, turns)``."""
     import tempfile
 
@@ -74,24 +72,25 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
         spec.write_text(json.dumps({"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
                                     "engine": engine or {}, "logprobs": logprobs, "ignore_eos": ignore_eos,
                                     "metrics": metrics, "prompt_logprobs": prompt_logprobs,
-                                    "conversation": conversation,
-                                    **({"model_values": list(model_values)} if model_values else {}),
-                                    **({"param_bytes": True} if param_bytes else {})}))
+                                    "conversation": conversation, **({"probe": probe} if probe else {})}))
         proc = subprocess.run([sys.executable, str(TESTS / "engine_runner.py"), str(spec), str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
         if proc.returncode != 0:
             raise EngineRunError(proc.returncode, proc.stdout)
         results = json.loads(out.read_text())
-        if model_values:
-            return results["outputs"], results["model_values"]
-        if param_bytes:
-            return results["outputs"], results["param_bytes"]
+        if probe:
+            return results["outputs"], results["probe"]
         if conversation:
             return results, json.loads(Path(str(out) + ".conversation.json").read_text())
         if metrics:
             return results, json.loads(Path(str(out) + ".metrics.json").read_text())
         return results
+
+
+def probe(name: str, **kwargs) -> dict:
+    """An engine-run probe: ``vllm_glm53.testing.<name>(model, **kwargs)`` on every worker's model."""
+    return {"function": f"vllm_glm53.testing.{name}", "kwargs": kwargs}
 
 
 @contextlib.contextmanager

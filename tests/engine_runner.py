@@ -17,20 +17,18 @@ Multimodal additions (optional):
     "mm_data": one entry per prompt, null or {"image": [IMG.npy, ...], "video": [{"frames": FRAMES.npy,
                "metadata": {...}}, ...]} (uint8 HWC images, uint8 [frames, H, W, 3] videos);
     "rejected": [{"prompt": [ids...], "mm_data": {...}}, ...]: requests submitted one by one after the batch,
-                each expected to fail; OUT records each one's error message (null if it was accepted);
-    "model_attrs": [name, ...]: OUT records, per worker, the class name of each of the model's attributes
-                   ("NoneType" for one set to None);
-    "model_values": [name, ...]: the same with str() of each attribute (a dotted path: "model.layers.1.mlp.
-                   experts.w13.dtype");
-    "param_bytes": true: OUT records, per worker, vllm_glm53.testing.parameter_bytes of its model.
-With "rejected", "model_attrs", "model_values" or "param_bytes", OUT is {"outputs": [...], "rejected": [...],
-"model_attrs": [...], "model_values": [...], "param_bytes": [...]}.
+                each expected to fail; OUT records each one's error message (null if it was accepted).
+"probe": {"function": "module.name", "kwargs": {...}}: after the batch, every worker's model is passed to that
+    module-level function (with the keyword arguments; vllm_glm53.testing has model_attributes and
+    parameter_bytes) through LLM.apply_model; OUT records its JSON result per worker.
+With "rejected" or "probe", OUT is {"outputs": [...], "rejected": [...], "probe": [...]}.
 Each engine scenario runs in its own process: vLLM on CPU spawns its engine core and workers, and a fresh
 process per scenario keeps tests independent of each other's engine teardown.
 """
 
+import functools
+import importlib
 import json
-import operator
 import os
 import sys
 
@@ -76,7 +74,7 @@ def _converse(llm, SamplingParams, conversation: dict, logprobs: int) -> list[di
 
 def main(spec_path: str, out_path: str) -> None:
     spec = json.load(open(spec_path))
-    if spec.get("model_attrs") or spec.get("model_values") or spec.get("param_bytes"):
+    if spec.get("probe"):
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # LLM.apply_model ships a function to workers
     from vllm import LLM, SamplingParams
 
@@ -108,7 +106,7 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("metrics"):  # counters and gauges by name, next to OUT
         metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
         json.dump(metrics, open(out_path + ".metrics.json", "w"))
-    if not {"rejected", "model_attrs", "model_values", "param_bytes"} & set(spec):
+    if not {"rejected", "probe"} & set(spec):
         json.dump(result, open(out_path, "w"))
         return
     rejected = []
@@ -118,27 +116,13 @@ def main(spec_path: str, out_path: str) -> None:
             rejected.append(None)
         except Exception as e:  # what a client would see as the request's error
             rejected.append(f"{type(e).__name__}: {e}")
-    attrs = []
-    if spec.get("model_attrs"):
-        names = spec["model_attrs"]
-        # An attrgetter pickles by value into the workers, where a local function would not.
-        probe = operator.attrgetter(*(f"{n}.__class__.__name__" for n in names))
-        per_worker = llm.apply_model(probe)
-        attrs = [dict(zip(names, (v,) if len(names) == 1 else v)) for v in per_worker]
-    values = []
-    if spec.get("model_values"):
-        names = spec["model_values"]
-        per_worker = llm.apply_model(operator.attrgetter(*names))
-        values = [dict(zip(names, [str(v) for v in ((got,) if len(names) == 1 else got)])) for got in per_worker]
-    sizes = []
-    if spec.get("param_bytes"):
-        from vllm_glm53.testing import parameter_bytes
-
-        sizes = llm.apply_model(parameter_bytes)
-    json.dump({"outputs": result, "rejected": rejected, "model_attrs": attrs, "model_values": values,
-               "param_bytes": sizes},
-              open(out_path, "w"))
-
+    probed = []
+    if spec.get("probe"):
+        module, name = spec["probe"]["function"].rsplit(".", 1)
+        # A module-level function (and a partial of one) pickles by reference into the workers.
+        fn = functools.partial(getattr(importlib.import_module(module), name), **spec["probe"].get("kwargs", {}))
+        probed = llm.apply_model(fn)
+    json.dump({"outputs": result, "rejected": rejected, "probe": probed}, open(out_path, "w"))
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import hf_greedy, hf_model, prompt_set, run_engine
+from conftest import hf_greedy, hf_model, probe, prompt_set, run_engine
 from test_model_parity import LENGTHS, assert_parity
 from vllm_glm53.quant import fp8_block
 from vllm_glm53.quant.fp8 import BlockFp8Weight, Fp8Pairing, block_fp8_parts
@@ -253,6 +253,6 @@ def test_fp8_weights_of_several_ragged_blocks_match_the_dequantized_reference(ti
     assert {(2, 3), (3, 2), (1, 3), (3, 1)} <= grids, grids  # several blocks, ragged, both orientations
     prompts = prompt_set(path, LENGTHS[::2])
     want = hf_greedy(hf_model(dequantized_twin(path, tmp_path / "twin")), prompts, 12)
-    got, values = run_engine(path, prompts, 12, logprobs=1, model_values=FP8_PROBES)
+    got, values = run_engine(path, prompts, 12, logprobs=1, probe=probe("model_attributes", paths=FP8_PROBES))
     assert_weight_form(values)
     assert_parity(got, want)

@@ -8,7 +8,7 @@ Engine starts dominate the cost (about a minute each on 2 idle cores), so each s
 
 import pytest
 
-from conftest import greedy_reference, run_engine
+from conftest import greedy_reference, probe, run_engine
 from test_model_parity import assert_parity
 
 pytestmark = pytest.mark.engine
@@ -27,7 +27,7 @@ def test_pipeline_parallel_2_matches_transformers(reference):
     """Two stages split 4 | 1: stage 1 starts with the ``shared`` MLA layer 4, so the mHC streams and the selection
     of layer 3's indexer cross the boundary; the CPU recipe's eager mode (the receive-buffer fix, ledger 7)."""
     path, prompts, want = reference
-    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, param_bytes=True,
+    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, probe=probe("parameter_bytes"),
                             engine={"pipeline_parallel_size": 2, "max_num_seqs": 3,
                                     "enable_prefix_caching": False},
                             env={**BIND_2, "VLLM_PP_LAYER_PARTITION": "4,1"})
@@ -40,7 +40,7 @@ def test_tensor_parallel_2_with_expert_parallel_matches_transformers(reference):
     """``--enable-expert-parallel`` over TP 2: each rank holds 4 of the 8 experts whole (rank 0 experts 0-3, rank 1
     experts 4-7, in every MoE block), attention and the shared expert stay tensor-parallel."""
     path, prompts, want = reference
-    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, param_bytes=True,
+    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, probe=probe("parameter_bytes"),
                             engine={"tensor_parallel_size": 2, "enable_expert_parallel": True, "max_num_seqs": 3},
                             env=BIND_2)
     assert_parity(got, want)
@@ -68,7 +68,7 @@ def two_node_ray_cluster():
 
 def test_pipeline_parallel_2_over_ray_on_two_nodes_matches_transformers(reference, two_node_ray_cluster):
     path, prompts, want = reference
-    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, param_bytes=True,
+    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, probe=probe("parameter_bytes"),
                             engine={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray",
                                     "enable_prefix_caching": False, "max_num_seqs": 3},
                             env={"RAY_ADDRESS": two_node_ray_cluster.address, "OMP_NUM_THREADS": "1"})

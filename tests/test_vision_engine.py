@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TESTS, EngineRunError, hf_model, prompt_set
+from conftest import TESTS, EngineRunError, hf_model, probe, prompt_set
 from test_vision_processor import VISION_CKPT, hf_reference, random_frames
 
 pytestmark = pytest.mark.engine
@@ -85,7 +85,7 @@ def hf_greedy_mm(model, inputs: dict, max_tokens: int) -> dict:
     return {"token_ids": tokens, "logprobs": lps}
 
 
-def run_mm_engine(model, prompts, mm_data, max_tokens, engine, rejected=(), model_attrs=()) -> dict:
+def run_mm_engine(model, prompts, mm_data, max_tokens, engine, rejected=(), probe=None) -> dict:
     """``tests/engine_runner.py`` with media written to ``.npy`` files."""
     with tempfile.TemporaryDirectory() as d:
         def save(array, name):
@@ -104,7 +104,7 @@ def run_mm_engine(model, prompts, mm_data, max_tokens, engine, rejected=(), mode
             "model": str(model), "prompts": prompts, "max_tokens": [max_tokens] * len(prompts), "engine": engine,
             "logprobs": 1, "mm_data": [entry(*m, i) if m else None for i, m in enumerate(mm_data)],
             "rejected": [{"prompt": p, "mm_data": entry(*m, f"r{i}")} for i, (p, m) in enumerate(rejected)],
-            "model_attrs": list(model_attrs),
+            **({"probe": probe} if probe else {}),
         }
         spec_path, out_path = Path(d) / "spec.json", Path(d) / "out.json"
         spec_path.write_text(json.dumps(spec))
@@ -147,12 +147,12 @@ def test_images_and_videos_match_transformers(ckpt, tokenizer, reference):
     three_images = tokenizer.encode(f"{IMG}{IMG}{IMG}", add_special_tokens=False)
     got = run_mm_engine(ckpt, prompts, mm, MAX_TOKENS,
                         engine={"max_num_seqs": 3, "limit_mm_per_prompt": {"image": 2, "video": 1}},
-                        rejected=[(three_images, (["a", "b", "c"], 0))], model_attrs=["visual"])
+                        rejected=[(three_images, (["a", "b", "c"], 0))], probe=probe("model_attributes", paths=["visual.__class__.__name__"]))
 
     for i, (g, w, ids) in enumerate(zip(got["outputs"], want, want_ids)):
         assert g["prompt_token_ids"] == ids, f"prompt {i}: vLLM's expansion differs from transformers' processor"
         assert_same_generation(g, w, f"prompt {i}")
-    assert got["model_attrs"] == [{"visual": "Glm5NextVisionTower"}]
+    assert got["probe"] == [{"visual.__class__.__name__": "Glm5NextVisionTower"}]
     # Over the limit: refused with the message the OpenAI server returns as a 400.
     [error] = got["rejected"]
     assert error.startswith("VLLMValidationError: At most 2 image(s) may be provided in one prompt.")
@@ -165,9 +165,9 @@ def test_zero_limits_build_no_tower_and_serve_text(ckpt, tokenizer, reference):
     image_prompt = tokenizer.encode(f"Describe {IMG}", add_special_tokens=False)
     got = run_mm_engine(ckpt, texts, [None] * len(texts), MAX_TOKENS,
                         engine={"limit_mm_per_prompt": {"image": 0, "video": 0}},
-                        rejected=[(image_prompt, (["a"], 0))], model_attrs=["visual"])
+                        rejected=[(image_prompt, (["a"], 0))], probe=probe("model_attributes", paths=["visual.__class__.__name__"]))
     for i, (g, w) in enumerate(zip(got["outputs"], want)):
         assert_same_generation(g, w, f"text prompt {i}")
-    assert got["model_attrs"] == [{"visual": "NoneType"}]
+    assert got["probe"] == [{"visual.__class__.__name__": "NoneType"}]
     # With every modality off vLLM treats the model as text-only and refuses media before processing them.
     assert got["rejected"] == ["ValueError: Multi-modal processor not available for text-only models"]

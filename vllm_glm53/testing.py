@@ -175,9 +175,16 @@ def multimodal_processor(model: str, **model_config_kwargs):
     return MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=str(model), **model_config_kwargs))
 
 
+def model_attributes(model, paths: list[str]) -> dict:
+    """``str()`` of attributes of one worker's model by dotted path (``"model.layers.1.mlp.experts.w13.dtype"``,
+    ``"visual.__class__.__name__"``): an engine-run probe (tests/engine_runner.py)."""
+    import operator
+
+    return {path: str(operator.attrgetter(path)(model)) for path in paths}
+
+
 def parameter_bytes(model) -> dict:
-    """What one worker's model holds (``LLM.apply_model(parameter_bytes)``; a module-level function pickles by
-    reference into the workers): parameter bytes in all and of the routed experts, the decoder layers this
+    """What one worker's model holds, an engine-run probe (tests/engine_runner.py): parameter bytes in all and of the routed experts, the decoder layers this
     rank built (pipeline parallel), the routed experts per MoE block (expert parallel) and, in a Ray worker, the
     Ray node it runs on."""
     total = experts = 0
