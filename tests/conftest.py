@@ -59,10 +59,11 @@ class EngineRunError(AssertionError):
 def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=False, timeout=900,
                env=None, metrics=False, prompt_logprobs=False, conversation=None, probe=None):
     """Greedy generation through ``vllm.LLM`` in a fresh process; returns token ids (and logprobs) per prompt,
-    and with ``metrics=True`` also the engine's counters: ``(results, {name: value})``; with ``probe`` (a
-    function of ``vllm_glm53.testing`` and its keyword arguments, see :func:`probe`) what it returns for each
-    worker's model: ``(results, [result per worker])``. With ``conversation`` (``{"turns": [ids, ...], "max_tokens": n}``, see engine_runner.py) the same
-    engine then holds that conversation: ``(results, turns)``."""
+    and with ``probe`` (a function of ``vllm_glm53.testing`` and its keyword arguments, see :func:`probe`) also
+    what it returns for each worker's model: ``(results, [result per worker])``; with ``conversation``
+    (``{"turns": [ids, ...], "max_tokens": n}``, see engine_runner.py) the same engine then holds that
+    conversation: ``(results, turns)``; with ``metrics=True`` the engine's counters: ``(results, {name: value})``.
+    With several of these, ``(results, probe, turns, counters)``, those asked for, in that order."""
     import tempfile
 
     if isinstance(max_tokens, int):
@@ -79,13 +80,14 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
         if proc.returncode != 0:
             raise EngineRunError(proc.returncode, proc.stdout)
         results = json.loads(out.read_text())
+        extras = [results["probe"]] if probe else []
         if probe:
-            return results["outputs"], results["probe"]
+            results = results["outputs"]
         if conversation:
-            return results, json.loads(Path(str(out) + ".conversation.json").read_text())
+            extras.append(json.loads(Path(str(out) + ".conversation.json").read_text()))
         if metrics:
-            return results, json.loads(Path(str(out) + ".metrics.json").read_text())
-        return results
+            extras.append(json.loads(Path(str(out) + ".metrics.json").read_text()))
+        return (results, *extras) if extras else results
 
 
 def probe(name: str, **kwargs) -> dict:

@@ -8,7 +8,7 @@ Engine starts dominate the cost (about a minute each on 2 idle cores), so each s
 
 import pytest
 
-from conftest import greedy_reference, probe, run_engine
+from conftest import greedy_reference, hf_greedy, hf_model, probe, prompt_set, run_engine
 from test_model_parity import assert_parity
 
 pytestmark = pytest.mark.engine
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.engine
 LENGTHS = [3, 24, 77, 190]
 MAX_TOKENS = [12, 8, 12, 10]
 BIND_2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
+CONVERSATION_TURNS, CONVERSATION_REPLY = [300, 100, 100], 6  # new message tokens per turn; tokens per reply
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +67,25 @@ def two_node_ray_cluster():
         cluster.shutdown()
 
 
-def test_pipeline_parallel_2_over_ray_on_two_nodes_matches_transformers(reference, two_node_ray_cluster):
+def test_pipeline_parallel_2_over_ray_on_two_nodes_with_prefix_caching_matches_transformers(reference,
+                                                                                           two_node_ray_cluster):
+    """PP 2 over Ray, one stage per node, split 2 | 3 so both stages hold KDA layers and vLLM's prefix caching (its
+    default: KDA state snapshots at block edges) runs on both; then a 3-turn conversation (each turn's prompt = the
+    previous prompt + reply + a new message) reuses the earlier turns' blocks, every turn equal to transformers."""
     path, prompts, want = reference
-    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, probe=probe("parameter_bytes"),
-                            engine={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray",
-                                    "enable_prefix_caching": False, "max_num_seqs": 3},
-                            env={"RAY_ADDRESS": two_node_ray_cluster.address, "OMP_NUM_THREADS": "1"})
+    turns = prompt_set(path, CONVERSATION_TURNS)
+    got, sizes, conversation = run_engine(
+        path, prompts, MAX_TOKENS, logprobs=1, probe=probe("parameter_bytes"),
+        conversation={"turns": turns, "max_tokens": CONVERSATION_REPLY},
+        engine={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray", "max_num_seqs": 3},
+        env={"RAY_ADDRESS": two_node_ray_cluster.address, "OMP_NUM_THREADS": "1", "VLLM_PP_LAYER_PARTITION": "2,3"})
     assert_parity(got, want)
-    assert [s["layers"] for s in sizes] == [[0, 1, 2], [3, 4]]  # vLLM's default split of 5 layers
+    assert [s["layers"] for s in sizes] == [[0, 1], [2, 3, 4]]
     nodes = [s["ray_node"] for s in sizes]
     assert None not in nodes and len(set(nodes)) == 2, f"stages ran on Ray nodes {nodes}"
+    model = hf_model(path)
+    assert_parity(conversation, hf_greedy(model, [t["prompt_token_ids"] for t in conversation], CONVERSATION_REPLY))
+    for i, turn in enumerate(conversation[1:], start=1):
+        # reused up to the previous prompt's last block edge before its last token (align mode, block 128)
+        reusable = (len(conversation[i - 1]["prompt_token_ids"]) - 1) // 128 * 128
+        assert turn["prefix_cache_hits"] >= reusable > 0, f"turn {i + 1}: {turn['prefix_cache_hits']} hits"

@@ -276,7 +276,28 @@ def serve_options(vllm_config):
         attention_backend=None if backend is None else getattr(backend, "name", str(backend)),
         sparse_indexer_topk_backend=str(topk or "auto"),
         prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+        stages_without_kda=stages_without_kda(vllm_config),
     )
+
+
+def stages_without_kda(vllm_config) -> tuple[str, ...]:
+    """The pipeline stages (vLLM's split of the decoder layers, ``VLLM_PP_LAYER_PARTITION`` included) that would
+    hold no KDA layer, as ``"1 (layers 3-4)"``."""
+    from vllm.distributed.utils import get_pp_indices
+
+    from vllm_glm53.config import text_arch
+
+    size = vllm_config.parallel_config.pipeline_parallel_size
+    if size <= 1:
+        return ()
+    arch = text_arch(vllm_config.model_config.hf_config)
+    n = len(arch.layer_types)
+    out = []
+    for rank in range(size):
+        start, end = get_pp_indices(n, rank, size)
+        if not any(arch.is_kda(i) for i in range(start, end)):
+            out.append(f"{rank} (layers {start}-{end - 1})")
+    return tuple(out)
 
 
 def pipeline_stage(num_layers: int) -> tuple[int, int, int, int]:

@@ -94,6 +94,9 @@ class ServeOptions:
     attention_backend: str | None = None
     sparse_indexer_topk_backend: str = "auto"
     prefix_caching: bool = False  # vLLM turns it on by default for this (hybrid) model
+    # pipeline stages holding no KDA layer, as "stage (layers a-b)": vLLM's prefix caching for hybrid models
+    # ("align" mode) needs hybrid state on every stage (its worker asserts otherwise)
+    stages_without_kda: tuple[str, ...] = ()
     platform: str | None = None  # vLLM platform name (cpu, cuda, ...), None where unknown
 
 
@@ -107,7 +110,6 @@ class ModelCapabilities:
     own_attention_backends: bool  # ignores --attention-backend / --sparse-indexer-topk-backend
     expert_parallel: bool  # MixtureOfExperts is not enough: the experts must really be partitioned
     prefix_caching_with_drafts: bool  # hybrid-state snapshots at block boundaries with speculative decoding
-    prefix_caching_with_pp: bool  # the same under pipeline parallel (vLLM wants KDA layers on every stage)
     eplb: bool  # expert-parallel load balancing (redundant experts, rebalancing)
     # EP only over the tensor-parallel ranks (no data parallel) and only for experts kept unquantized, which on CPU
     # includes FP8 checkpoints (dequantized at load); quantized expert kernels keep every expert
@@ -133,9 +135,6 @@ PLUGIN_MODEL = ModelCapabilities(
     # The plugin keeps a whole KDA state (conv window + recurrent state) per draft position; vLLM's align-mode
     # state copies for drafts assume one conv window extended by the draft length.
     prefix_caching_with_drafts=False,
-    # vLLM's align mode asserts that every stage's model has hybrid-state layers; a stage of MLA layers only
-    # (e.g. the last one) has none, and a split that keeps KDA on every stage is untested.
-    prefix_caching_with_pp=False,
 )
 
 VLLM_MODEL = ModelCapabilities(
@@ -147,7 +146,6 @@ VLLM_MODEL = ModelCapabilities(
     own_attention_backends=False,
     expert_parallel=True,
     prefix_caching_with_drafts=True,
-    prefix_caching_with_pp=True,
     eplb=True,
     expert_parallel_tp_only=False,
     pp_with_speculation=True,
@@ -163,11 +161,12 @@ def state_refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]
                 "position, which vLLM's prefix-cache state copies do not handle; add --no-enable-prefix-caching "
                 "(LLM(enable_prefix_caching=False)) to serve with drafts, or drop --speculative-config to keep "
                 "prefix caching"]
-    if options.prefix_caching and options.pipeline_parallel_size > 1 and not model.prefix_caching_with_pp:
+    if options.prefix_caching and options.stages_without_kda:
         return [f"prefix caching (vLLM's default for this model, or --enable-prefix-caching) with "
-                f"--pipeline-parallel-size {options.pipeline_parallel_size}: {DESCRIPTIONS[model.name]} does not keep "
-                "prefix-cache state snapshots across pipeline stages; add --no-enable-prefix-caching "
-                "(LLM(enable_prefix_caching=False)) to serve with pipeline parallel"]
+                f"--pipeline-parallel-size {options.pipeline_parallel_size}: pipeline stage "
+                f"{', '.join(options.stages_without_kda)} holds no KDA layer, and vLLM keeps prefix-cache state "
+                "snapshots only on stages that have one; choose VLLM_PP_LAYER_PARTITION so that every stage has "
+                "a KDA layer, or add --no-enable-prefix-caching (LLM(enable_prefix_caching=False))"]
     return []
 
 
