@@ -28,23 +28,20 @@ def _startup_error(path) -> str:
     return info.value.stderr
 
 
-def test_missing_tensor_is_named(tiny_ckpt, tmp_path):
-    path = _copy(tiny_ckpt("flat", layout="flat", seed=1), tmp_path / "missing")
-    _edit_tensors(path, lambda t: t.pop("model.layers.1.self_attn.o_norm.weight"))
+def test_every_missing_and_misshapen_tensor_is_named_in_one_start(tiny_ckpt, tmp_path):
+    """One start-up reports every problem of the checkpoint, not the first one only: a tensor of the wrong shape
+    (named with both shapes) and a missing one (the misshapen tensor's parameter is not also called missing)."""
+    path = _copy(tiny_ckpt("flat", layout="flat", seed=1), tmp_path / "broken")
+    cut = "model.layers.3.self_attn.kv_b_proj.weight"
+
+    def edit(t):
+        t.pop("model.layers.1.self_attn.o_norm.weight")
+        t[cut] = t[cut][:, :-1].clone()
+
+    _edit_tensors(path, edit)
     err = _startup_error(path)
+    assert f"cannot load checkpoint tensor {cut} (128, 31) into {cut}" in err
     assert "missing tensors for 1 parameters: model.layers.1.self_attn.o_norm.weight" in err
-
-
-def test_wrong_shape_is_named(tiny_ckpt, tmp_path):
-    path = _copy(tiny_ckpt("flat", layout="flat", seed=1), tmp_path / "shape")
-    name = "model.layers.3.self_attn.kv_b_proj.weight"
-
-    def cut(t):
-        t[name] = t[name][:, :-1].clone()
-
-    _edit_tensors(path, cut)
-    err = _startup_error(path)
-    assert f"cannot load checkpoint tensor {name} (128, 31) into {name}" in err
 
 
 def test_unsupported_config_value_is_named(tiny_ckpt, tmp_path):

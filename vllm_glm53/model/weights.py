@@ -63,6 +63,10 @@ class WeightLoader:
             self.module_params.setdefault(module, {})[leaf] = param
         self.loaded: set[str] = set()
         self.unexpected: list[str] = []
+        # tensors that could not be loaded, and the parameters they were going to: reported together with the
+        # missing ones by check_complete, so one start-up names every problem of a checkpoint
+        self.unloadable: list[str] = []
+        self.failed: set[str] = set()
         self.skipped = 0
         self._target: tuple[str, tuple[int, ...]] | None = None  # the parameter being filled, for errors
 
@@ -74,6 +78,7 @@ class WeightLoader:
             if (self.skip is not None and self.skip(name)) or (name == MTP_ROTATION and self.layer_offset == 0):
                 self.skipped += 1
                 continue
+            self._target = None
             try:
                 if Fp8Pairing.wants(name, tensor):
                     paired = fp8.add(name, tensor)
@@ -81,20 +86,26 @@ class WeightLoader:
                         continue  # the other half of this FP8 weight is still to come
                     name, tensor = paired
                 self._load_one(name, tensor)
-            except CheckpointError:
-                raise
             except Exception as e:  # shape mismatch and friends: name the tensor and where it was going
                 target = self._target
+                if target is not None:
+                    self.failed.add(target[0])
+                if isinstance(e, CheckpointError):
+                    self.unloadable.append(str(e))
+                    continue
                 into = f" into {target[0]} {target[1]}" if target else ""
-                raise CheckpointError(f"cannot load checkpoint tensor {raw_name} {tuple(tensor.shape)}{into} "
-                                      f"(shape on this tensor-parallel rank): {e or type(e).__name__}") from e
+                self.unloadable.append(f"cannot load checkpoint tensor {raw_name} {tuple(tensor.shape)}{into} "
+                                       f"(shape on this tensor-parallel rank): {e or type(e).__name__}")
         if fp8.unpaired():
-            raise CheckpointError(f"FP8 tensors without their other half: {', '.join(fp8.unpaired()[:12])}")
+            self.unloadable.append(f"FP8 tensors without their other half: {', '.join(fp8.unpaired()[:12])}")
         return self.loaded
 
     def check_complete(self, optional: Iterable[str] = ()) -> None:
-        missing = sorted(set(self.params) - self.loaded - set(optional))
-        problems = []
+        """Raise one :class:`CheckpointError` naming every problem :meth:`load` met and every parameter no tensor
+        filled."""
+        missing = sorted(set(self.params) - self.loaded - self.failed - set(optional))
+        problems = self.unloadable[:12] + ([f"... {len(self.unloadable) - 12} more"] if len(self.unloadable) > 12
+                                           else [])
         if missing:
             problems.append(f"missing tensors for {len(missing)} parameters: {', '.join(missing[:12])}"
                             + (" ..." if len(missing) > 12 else ""))
