@@ -4,8 +4,8 @@ The reference prompts come from transformers' own ``Glm5NextProcessor`` (its PIL
 video processor, run as in ``test_vision_processor.hf_reference``): expanded token ids and pixel values go to
 ``Glm5NextForConditionalGeneration.generate``; vLLM gets the unexpanded prompt and the raw media. Expanded
 prompt ids and greedy tokens must be identical, logprobs close. One engine start serves every multimodal
-case batched with text-only prompts; a second one checks that ``--limit-mm-per-prompt`` zero limits build no
-vision tower and still serve text.
+case batched with text-only prompts; a second one serves the same batch with pipeline parallel 2; a third checks
+that ``--limit-mm-per-prompt`` zero limits build no vision tower and still serve text.
 
 The checkpoint's vision weights are initialised at std 0.1 so that image features are of the size of token
 embeddings (with the default 0.02 they are ~1e-3 and would barely move the logits).
@@ -85,7 +85,7 @@ def hf_greedy_mm(model, inputs: dict, max_tokens: int) -> dict:
     return {"token_ids": tokens, "logprobs": lps}
 
 
-def run_mm_engine(model, prompts, mm_data, max_tokens, engine, rejected=(), probe=None) -> dict:
+def run_mm_engine(model, prompts, mm_data, max_tokens, engine, rejected=(), probe=None, env=None) -> dict:
     """``tests/engine_runner.py`` with media written to ``.npy`` files."""
     with tempfile.TemporaryDirectory() as d:
         def save(array, name):
@@ -109,7 +109,8 @@ def run_mm_engine(model, prompts, mm_data, max_tokens, engine, rejected=(), prob
         spec_path, out_path = Path(d) / "spec.json", Path(d) / "out.json"
         spec_path.write_text(json.dumps(spec))
         proc = subprocess.run([sys.executable, str(TESTS / "engine_runner.py"), str(spec_path), str(out_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
+                              env={**os.environ, **(env or {})})
         if proc.returncode != 0:
             raise EngineRunError(proc.returncode, proc.stdout)
         return json.loads(out_path.read_text())
@@ -135,7 +136,10 @@ def test_images_change_the_reference_output(reference):
     assert (base - other).abs().max() > 0.05
 
 
-def test_images_and_videos_match_transformers(ckpt, tokenizer, reference):
+@pytest.fixture(scope="module")
+def batch(ckpt, tokenizer, reference):
+    """Every multimodal case and two text prompts: vLLM's prompts and media, and transformers' expanded prompt ids
+    and greedy outputs."""
     outs, model = reference
     texts = prompt_set(ckpt, [7, 40])
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text, _, _ in CASES] + texts
@@ -143,7 +147,11 @@ def test_images_and_videos_match_transformers(ckpt, tokenizer, reference):
     want_ids = [o["input_ids"][0].tolist() for o in outs] + texts
     want = [hf_greedy_mm(model, o, MAX_TOKENS) for o in outs]
     want += [hf_greedy_mm(model, {"input_ids": torch.tensor([t])}, MAX_TOKENS) for t in texts]
+    return prompts, mm, want_ids, want
 
+
+def test_images_and_videos_match_transformers(ckpt, tokenizer, batch):
+    prompts, mm, want_ids, want = batch
     three_images = tokenizer.encode(f"{IMG}{IMG}{IMG}", add_special_tokens=False)
     got = run_mm_engine(ckpt, prompts, mm, MAX_TOKENS,
                         engine={"max_num_seqs": 3, "limit_mm_per_prompt": {"image": 2, "video": 1}},
@@ -156,6 +164,22 @@ def test_images_and_videos_match_transformers(ckpt, tokenizer, reference):
     # Over the limit: refused with the message the OpenAI server returns as a 400.
     [error] = got["rejected"]
     assert error.startswith("VLLMValidationError: At most 2 image(s) may be provided in one prompt.")
+
+
+def test_images_and_videos_under_pipeline_parallel_match_transformers(ckpt, batch):
+    """PP 2, split 2 | 3 (KDA layers on both stages, so prefix caching stays on): the vision tower runs on the first
+    stage with the embedding, and the merged image and video embeddings cross the stage boundary inside the mHC
+    streams; the second stage never builds a tower."""
+    prompts, mm, want_ids, want = batch
+    got = run_mm_engine(ckpt, prompts, mm, MAX_TOKENS,
+                        engine={"max_num_seqs": 3, "limit_mm_per_prompt": {"image": 2, "video": 1},
+                                "pipeline_parallel_size": 2},
+                        probe=probe("model_attributes", paths=["visual.__class__.__name__"]),
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PP_LAYER_PARTITION": "2,3"})
+    for i, (g, w, ids) in enumerate(zip(got["outputs"], want, want_ids)):
+        assert g["prompt_token_ids"] == ids, f"prompt {i}: vLLM's expansion differs from transformers' processor"
+        assert_same_generation(g, w, f"PP 2, prompt {i}")
+    assert [p["visual.__class__.__name__"] for p in got["probe"]] == ["Glm5NextVisionTower", "NoneType"]
 
 
 def test_zero_limits_build_no_tower_and_serve_text(ckpt, tokenizer, reference):
