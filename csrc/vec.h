@@ -379,11 +379,12 @@ template <typename TB>
 inline float dot(const float* a, const TB* b, int64_t n) {
   F16 s0 = zero(), s1 = zero(), s2 = zero(), s3 = zero();
   int64_t i = 0;
+  // Lane counts spelled out: a one-argument load(b) of a c10 type would also match c10::load by ADL.
   for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
-    s0 = fma(load(a + i), load(b + i), s0);
-    s1 = fma(load(a + i + kLanes), load(b + i + kLanes), s1);
-    s2 = fma(load(a + i + 2 * kLanes), load(b + i + 2 * kLanes), s2);
-    s3 = fma(load(a + i + 3 * kLanes), load(b + i + 3 * kLanes), s3);
+    s0 = fma(load(a + i, kLanes), load(b + i, kLanes), s0);
+    s1 = fma(load(a + i + kLanes, kLanes), load(b + i + kLanes, kLanes), s1);
+    s2 = fma(load(a + i + 2 * kLanes, kLanes), load(b + i + 2 * kLanes, kLanes), s2);
+    s3 = fma(load(a + i + 3 * kLanes, kLanes), load(b + i + 3 * kLanes, kLanes), s3);
   }
   for (; i < n; i += kLanes) {
     int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));

@@ -24,6 +24,7 @@ library fails here; only a machine without a compiler skips (it runs the plain-t
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -302,11 +303,55 @@ def _latent_plan(q_lens, seq_lens, table):
                            max(q_lens), max(seq_lens))
 
 
+def _prompt_plan(seq_lens, table, block_size):
+    """Every token of the requests new in one step (whole prompts), stored at its block-table slot."""
+    cu = torch.tensor(_batch_meta(seq_lens))
+    seq = torch.tensor(seq_lens)
+    slots = torch.cat([table[r, torch.arange(S) // block_size].long() * block_size + torch.arange(S) % block_size
+                       for r, S in enumerate(seq_lens)])
+    T = int(cu[-1])
+    return LatentCachePlan(cu, seq, torch.zeros_like(seq), table, slots, len(seq_lens), T, max(seq_lens),
+                           max(seq_lens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_pooled_keys_matches_torch(dtype):
+    """The mixed batch's new tokens (decodes, prefill chunks, one whose first pool started in the cached context,
+    a request without tokens, padded slots): both forms store the same pooled keys and touch nothing else."""
+    kp, dI, lead, bs = 4, 21, 10, 8
+    row = lead + 2 * dI + 2
+    gen = _gen(24)
+    pages, table = _paged(SEQ_LENS, row, bs, dtype, 25, lambda r, S: torch.randn(S, row, generator=gen))
+    starts = _batch_meta(Q_LENS)
+    slots = []
+    for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+        pos = torch.arange(SEQ_LENS[r] - (hi - lo), SEQ_LENS[r])
+        slots.append(table[r, pos // bs].long() * bs + pos % bs)
+    slots = torch.cat(slots)
+    slots[[3, starts[6] + 7]] = -1  # not stored: a decode, and a chunk token completing a pool
+    plan = dataclasses.replace(_latent_plan(Q_LENS, SEQ_LENS, table), slot_mapping=slots)
+    ape = torch.randn(kp, dI, generator=gen)
+    want, got = pages.clone(), pages.clone()
+    ix.store_pooled_keys.implementation("torch")(want, plan, ape, lead)
+    ix.store_pooled_keys.implementation("compiled")(got, plan, ape, lead)
+    # Pools completed: the decode at 19; 11 in the 45-token prompt, one not stored; 8 in the 30-token chunk at
+    # 47..76, the first (44..47) started in the cached context.
+    assert (want != pages).any(-1).sum() == 1 + 10 + 8
+    keys = slice(lead, lead + dI)
+    others = torch.ones(row, dtype=torch.bool)
+    others[keys] = False
+    assert torch.equal(got[..., others], pages[..., others])
+    # measured (ulps of max|reference|, avx2 / portable): float32 as kpool_compress; bfloat16 at most one rounding
+    # step apart
+    _close(got[..., keys], want[..., keys], ulps=6 if dtype == torch.float32 else 1)
+
+
 @pytest.mark.parametrize("integer_valued", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_select_batch_identical_to_torch(integer_valued, dtype):
-    """Integer-valued keys, queries and weights with uniform gates make every score exact in both paths, so
-    ties are everywhere and must break identically; random values check the general case."""
+    """Integer-valued keys, queries and weights with uniform gates make every score exact in both paths (the
+    pooled keys are means of small integers), so ties are everywhere and must break identically; random values
+    check the general case."""
     topk, kp, dI, nI, lead = 16, 4, 16, 3, 10
     row = lead + 2 * dI + 2
     gen = _gen(22)
@@ -329,7 +374,9 @@ def test_select_batch_identical_to_torch(integer_valued, dtype):
         q, w, ape = torch.randn(T, nI, dI, generator=gen), torch.randn(T, nI, generator=gen), torch.randn(kp, dI)
     q = q.to(dtype)
     starts = _batch_meta(Q_LENS)
-    args = (q, w, pages, _latent_plan(Q_LENS, SEQ_LENS, table), ape, lead, topk, kp)
+    plan = _latent_plan(Q_LENS, SEQ_LENS, table)
+    ix.store_pooled_keys.implementation("torch")(pages, _prompt_plan(SEQ_LENS, table, 8), ape, lead)
+    args = (q, w, pages, plan, lead, topk, kp)
     want = ix.select_batch.implementation("torch")(*args)
     got = ix.select_batch.implementation("compiled")(*args)
     assert torch.equal(got, want)

@@ -399,6 +399,36 @@ def on_plan(plan: LatentCachePlan) -> LatentCachePlan:
     return LatentCachePlan(**{f: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for f, v in fields.items()})
 
 
+def paged_plan(lengths, q_lens, table, block_size, unstored=()) -> LatentCachePlan:
+    """Each request's last ``q_lens[r]`` positions new in this step, stored at their block-table slots; batch
+    tokens in ``unstored`` carry slot -1."""
+    plan = latent_plan(q_lens, lengths, table)
+    slots = torch.cat([table[r, pos // block_size] * block_size + pos % block_size
+                       for r, pos in enumerate(torch.arange(S - n, S) for S, n in zip(lengths, q_lens))])
+    slots[list(unstored)] = -1
+    fields = {f: getattr(plan, f) for f in plan.__dataclass_fields__}
+    return LatentCachePlan(**{**fields, "slot_mapping": slots})
+
+
+def test_indexer_store_pooled_keys():
+    """The pooled keys a step stores: a prompt, a prefill chunk whose first pool started in the cached context,
+    decodes completing a pool or not, a request without tokens, a pool-completing token that is not stored."""
+    L, dI, bs = 32, 16, 8
+    lengths, q_lens = [46, 13, 20, 90, 7], [46, 1, 1, 31, 0]
+    pages, table, _ = paged_cache(lengths, L + 2 * dI + 1, bs, seed=62)
+    plan = paged_plan(lengths, q_lens, table, bs, unstored=[7])
+    ape = randn(KP, dI, g=gen(63))
+    want = pages.clone()
+    ix_cpu.store_pooled_keys(want, plan, ape, L)
+    assert (want != pages).any(-1).sum() == 11 - 1 + 1 + 8  # prompt pools (one not stored), decode at 19, chunk
+    got = pages.to(DEVICE)
+    ix_gpu.store_pooled_keys(got, on_plan(plan), ape.to(DEVICE), L)
+    close(got[..., L : L + dI], want[..., L : L + dI], "pooled keys")
+    got = got.cpu()
+    assert torch.equal(torch.cat([got[..., :L], got[..., L + dI :]], -1),
+                       torch.cat([pages[..., :L], pages[..., L + dI :]], -1))  # nothing but key slots changes
+
+
 def test_indexer_select_batch_paged():
     """The batch form over the paged cache: a prefill chunk, and decodes below and far above index_topk."""
     L, dI, topk, bs = 32, 16, 16, 8
@@ -408,12 +438,13 @@ def test_indexer_select_batch_paged():
     g = gen(61)
     T = sum(q_lens)
     ape, q, w = randn(KP, dI, g=g), randn(T, NI, dI, g=g), randn(T, NI, g=g)
+    ix_cpu.store_pooled_keys(pages, paged_plan(lengths, lengths, table, bs), ape, L)  # the prompts were stored
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
     plan = latent_plan(q_lens, lengths, table)
-    want = ix_cpu.select_batch(q, w, pages, plan, ape, L, topk, KP)
-    got = ix_gpu.select_batch(*on(q, w, pages), on_plan(plan), ape.to(DEVICE), L, topk, KP)
+    want = ix_cpu.select_batch(q, w, pages, plan, L, topk, KP)
+    got = ix_gpu.select_batch(*on(q, w, pages), on_plan(plan), L, topk, KP)
     for r, (lo, hi) in enumerate(zip(qsl[:-1], qsl[1:])):
         positions = torch.arange(lengths[r] - (hi - lo), lengths[r])
         _, scores = selection(ix_cpu, seqs[r], ape, q[lo:hi], w[lo:hi], positions, topk, L, dI)

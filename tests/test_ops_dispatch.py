@@ -83,7 +83,7 @@ def test_every_platform_package_exports_the_same_interface(family):
 
 def test_the_batch_ops_dispatch_on_every_platform():
     """The ops a layer calls once per step are Ops (one dispatch with decline reasons) in both packages."""
-    batch_ops = {"kda": ["kda_varlen", "causal_conv1d_varlen"], "indexer": ["select_batch"],
+    batch_ops = {"kda": ["kda_varlen", "causal_conv1d_varlen"], "indexer": ["store_pooled_keys", "select_batch"],
                  "sparse_mla": ["sparse_latent_attention_paged"]}
     for family, names in batch_ops.items():
         for platform in ("cpu", "cuda"):

@@ -8,6 +8,8 @@ import torch
 import hf_ref
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import sparse_mla as mla
+from vllm_glm53.backends.latent_cache import write_rows
+from vllm_glm53.backends.plans import LatentCachePlan
 
 torch.set_num_threads(2)
 
@@ -113,6 +115,117 @@ def test_select_tokens_dense_fast_path_and_errors(impl):
         impl(ix.select_tokens)(None, torch.tensor([11]), 8, 4)
     with pytest.raises(ValueError):
         impl(ix.select_tokens)(torch.zeros(1, 2), torch.tensor([11]), 8, 4)  # pool 2 is complete but not scored
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pooled keys in the paged cache: stored when a pool completes, read one row per pool
+# ---------------------------------------------------------------------------------------------------------
+
+KP, DI, LEAD = 4, 6, 3
+ROW = LEAD + 2 * DI + 1  # [latent | key | gate | one more column]: nothing but the key slot may change
+
+
+class PagedSequences:
+    """Requests' cache rows in shuffled blocks of a paged cache, written step by step as the layer writes them
+    (:func:`write_rows`, then the store op), and a plain mirror of what each cache row must then hold: the step's
+    raw rows, with each pool-completing stored row's key replaced by :func:`kpool_compress_torch` of the raw
+    rows its pool has in the mirror, read position by position."""
+
+    def __init__(self, n_requests, max_len, block_size, seed):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.block_size = block_size
+        per = -(-max_len // block_size)
+        total = n_requests * per + 2  # two blocks no request owns
+        self.table = torch.randperm(total, generator=self.gen)[: n_requests * per].view(n_requests, per).int()
+        self.pages = torch.randn(total, block_size, ROW, generator=self.gen)
+        self.expected = self.pages.clone()
+        self.raw = [dict() for _ in range(n_requests)]  # position -> the raw row last stored there
+        self.ape = torch.randn(KP, DI, generator=self.gen)
+
+    def slot(self, r, pos):
+        return int(self.table[r, pos // self.block_size]) * self.block_size + pos % self.block_size
+
+    def step(self, spans, unstored=()):
+        """One step: ``spans [(request, first position, n tokens)]`` (the batch holds the requests in index order,
+        those without a span with no tokens); tokens at ``(request, position)`` in ``unstored`` carry slot -1.
+        Writes the raw rows and returns the step's plan."""
+        cu, seq_lens, ctx, slots = [0], [], [], []
+        n_req = self.table.shape[0]
+        span_of = {r: (start, n) for r, start, n in spans}
+        for r in range(n_req):
+            start, n = span_of.get(r, (0, 0))
+            cu.append(cu[-1] + n)
+            seq_lens.append(start + n)
+            ctx.append(start)
+            slots += [-1 if (r, pos) in unstored else self.slot(r, pos) for pos in range(start, start + n)]
+        T = cu[-1]
+        plan = LatentCachePlan(torch.tensor(cu), torch.tensor(seq_lens), torch.tensor(ctx), self.table,
+                               torch.tensor(slots), n_req, T, max(n for _, _, n in spans), max(seq_lens))
+        new_rows = torch.randn(T, ROW, generator=self.gen)
+        t = 0
+        done = []
+        for r in range(n_req):
+            start, n = span_of.get(r, (0, 0))
+            for pos in range(start, start + n):
+                if slots[t] >= 0:
+                    self.raw[r][pos] = new_rows[t]
+                    self.expected.view(-1, ROW)[slots[t]] = new_rows[t]
+                    if pos % KP == KP - 1:
+                        done.append((r, pos, slots[t]))
+                t += 1
+        for r, pos, slot in done:
+            pool = torch.stack([self.raw[r][s] for s in range(pos - KP + 1, pos + 1)])
+            key = ix.kpool_compress_torch(pool[:, LEAD : LEAD + DI], pool[:, LEAD + DI : LEAD + 2 * DI], self.ape)
+            self.expected.view(-1, ROW)[slot, LEAD : LEAD + DI] = key[0]
+        write_rows(self.pages, plan.slot_mapping, new_rows)
+        return plan
+
+
+def test_store_pooled_keys_where_pools_complete(impl):
+    """Pools completing in a prefill chunk, across chunk edges, in decodes and in speculative steps (a draft
+    that completed a pool, rejected and rewritten), a pool-completing token that is not stored (slot -1), a
+    request with no tokens in a step: after every step each cache row holds the plain mirror's value."""
+    store = impl(ix.store_pooled_keys)
+    seqs = PagedSequences(n_requests=4, max_len=24, block_size=8, seed=11)
+    steps = [
+        ([(0, 0, 10), (1, 0, 3)], ()),                   # prefill chunk: pools 0, 1 complete, pool 2 straddles
+        ([(0, 10, 4), (1, 3, 1), (3, 0, 4)], {(3, 3)}),  # the chunk completes pool 2; a decode completes pool 0
+        ([(0, 14, 4), (1, 4, 1), (3, 3, 1)], ()),        # drafts 14..17 (15 completes pool 3); slot -1 stored now
+        ([(0, 15, 4), (1, 5, 1)], ()),                   # 15..17 rejected: rewritten from 15, pool 3 again
+        ([(0, 19, 1), (2, 0, 8), (1, 6, 2)], ()),        # pool 4 from three rows of the previous step
+    ]
+    for spans, unstored in steps:
+        plan = seqs.step(spans, unstored)
+        store(seqs.pages, plan, seqs.ape, LEAD)
+        torch.testing.assert_close(seqs.pages, seqs.expected, rtol=0, atol=1e-6)
+
+
+def test_selection_reads_the_pooled_keys(impl):
+    """Selection over the stored pooled keys equals the definition: every complete pool compressed from the raw
+    keys and gates, scored, selected (decodes below and above the dense limit, a prefill chunk, odd lengths)."""
+    topk, nI = 8, 3
+    lengths, q_lens = [45, 11, 38, 27], [1, 1, 9, 27]
+    seqs = PagedSequences(n_requests=len(lengths), max_len=max(lengths), block_size=8, seed=12)
+    plan = seqs.step([(r, 0, n) for r, n in enumerate(lengths)])  # the whole prompts, one step
+    impl(ix.store_pooled_keys)(seqs.pages, plan, seqs.ape, LEAD)
+    gen = torch.Generator().manual_seed(13)
+    T = sum(q_lens)
+    q, w = torch.randn(T, nI, DI, generator=gen), torch.randn(T, nI, generator=gen)
+    cu = torch.tensor([0] + q_lens).cumsum(0)
+    seq_lens = torch.tensor(lengths)
+    query_plan = LatentCachePlan(cu, seq_lens, seq_lens - torch.tensor(q_lens), seqs.table, torch.full((T,), -1),
+                                 len(lengths), T, max(q_lens), max(lengths))
+    got = impl(ix.select_batch)(q, w, seqs.pages, query_plan, LEAD, topk, KP)
+    for r, S in enumerate(lengths):
+        lo, hi = int(cu[r]), int(cu[r + 1])
+        raw = torch.stack([seqs.raw[r][s] for s in range(S)])
+        pooled = ix.kpool_compress_torch(raw[: S // KP * KP, LEAD : LEAD + DI],
+                                         raw[: S // KP * KP, LEAD + DI : LEAD + 2 * DI], seqs.ape)
+        scores = ix.index_scores_torch(q[lo:hi], w[lo:hi], pooled)
+        scores = torch.nn.functional.pad(scores, (0, 1 if S % KP else 0))  # transformers' incomplete-pool column
+        want = ix.select_tokens_torch(scores, torch.arange(S - (hi - lo), S), topk, KP)
+        assert torch.equal(got[lo:hi], want), f"request {r}"
+    assert (got[0] >= 0).sum() < lengths[0] // 2  # the long decode really selected sparsely
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -4,9 +4,14 @@ turns vLLM's per-batch metadata into the step plan every sparse-MLA layer reads,
 table, cache slots), once per step.
 
 One cache row per token and layer holds ``[c_kv (kv_lora_rank) | indexer key (dI) | pooling gate (dI)]``:
-the normalised latent that attention reads, and the raw indexer inputs from which complete pools are
-compressed. Keeping the indexer inputs in the same row (rather than in a third cache kind with its own page
-size) keeps vLLM's hybrid page-size unification to two kinds, state pages and token pages.
+the normalised latent that attention reads, and the indexer inputs. A token that completes a pool (position
+``≡ kp - 1 (mod kp)``) has its pool's compressed key ``K_p`` in the key slot instead of its own raw key (its gate
+slot is then unused), stored by the layer when it writes the row; every other token keeps its raw key and gate,
+from which its pool is compressed when the pool's last token arrives (possibly in a later step or prefill
+chunk). The indexer then reads one row per complete pool. Why this needs no per-sequence state, with speculative
+drafts, chunked prefill and prefix caching: :mod:`vllm_glm53.backends.cpu.indexer`. Keeping the indexer inputs
+in the same row (rather than in a third cache kind with its own page size) keeps vLLM's hybrid page-size
+unification to two kinds, state pages and token pages.
 
 The layer gets this backend from ``get_attn_backend()`` directly, never through the platform selector
 (vLLM's CPU selector refuses sparse MLA outright).

@@ -133,3 +133,10 @@ class LatentCachePlan:
                                torch.zeros(1, 1, dtype=torch.int32, device=device),
                                torch.arange(num_tokens, device=device), 1, num_tokens, num_tokens, num_tokens)
 
+    def token_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(request, position) [num_tokens]`` int64: which request each new token of the batch belongs to and its
+        position in that request, computed on the plan's device (nothing is read back)."""
+        token = torch.arange(self.num_tokens, device=self.cu_seqlens.device)
+        req = torch.searchsorted(self.cu_seqlens[1:], token, right=True)  # zero-length requests own no token
+        return req, self.context_lens[req] + token - self.cu_seqlens[req]
+

@@ -164,24 +164,25 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
 
     def attend(self, q_lat: torch.Tensor, new_rows: torch.Tensor, q_idx: torch.Tensor | None,
                w_idx: torch.Tensor | None, shared_selection: torch.Tensor | None):
-        """Store the new cache rows, select (or reuse the shared selection) and attend, for the whole batch as
-        the step plan says. Both ops read the paged cache in place: the indexer the keys of each request's
-        complete pools, the attention only the selected latent rows (so its cost stops growing once the
-        context exceeds index_topk). Profiling and dummy runs carry no plan: the batch is one fresh sequence,
-        its rows one page."""
+        """Store the new cache rows (with the pooled key of every pool they complete), select (or reuse the
+        shared selection) and attend, for the whole batch as the step plan says. Both ops read the paged cache
+        in place: the indexer one pooled key per complete pool of each request, the attention only the selected
+        latent rows (so its cost stops growing once the context exceeds index_topk). Profiling and dummy runs
+        carry no plan: the batch is one fresh sequence, its rows one page (a copy: the op's inputs are not
+        written)."""
         a = self.arch
         meta = _vllm.layer_attn_metadata(self.prefix)
         if meta is None:
             plan = LatentCachePlan.fresh(q_lat.shape[0], q_lat.device)
-            rows = new_rows.unsqueeze(0)
+            rows = new_rows.unsqueeze(0).clone()
         else:
             plan = meta
             rows = cache_rows(self.kv_cache)
             write_rows(rows, plan.slot_mapping, new_rows)
         n = plan.num_tokens
         if self.indexer is not None:
-            selection = indexer_ops.select_batch(q_idx[:n], w_idx[:n], rows, plan,
-                                                 self.indexer.index_kpool_compress_ape, a.kv_lora_rank, a.index_topk,
+            indexer_ops.store_pooled_keys(rows, plan, self.indexer.index_kpool_compress_ape, a.kv_lora_rank)
+            selection = indexer_ops.select_batch(q_idx[:n], w_idx[:n], rows, plan, a.kv_lora_rank, a.index_topk,
                                                  a.index_kpool)
         else:
             selection = shared_selection[:n]  # a previous pipeline stage's selection may carry pad rows

@@ -4,10 +4,13 @@ Same functions, arguments and results as :mod:`vllm_glm53.backends.cpu.indexer` 
 position 0, only complete pools are scored, the query's own incomplete pool (the tail) is appended, rows come
 back ascending and padded with -1.
 
-Three kernels:
+Four kernels:
   * ``kpool_compress``: per (pool block, channel block), the softmax over the kp slots of each pool and channel
     and the weighted sum of the keys; it reads the key and gate columns straight out of the cache rows (any row
     stride), so the layer's ``rows[:, L:L+dI]`` views cost no copy.
+  * ``store_pooled_keys``: the same compression per token of the step that completes a pool, reading the pool's
+    rows through the block table and writing ``K_p`` over the completing row's key (the CPU module's docstring
+    says why this needs no state outside the rows).
   * ``index_scores``: per (query block, pool block), one GEMM per indexer head, ReLU, and the head-weighted sum
     accumulated in registers: the ``[Tq, nI, P]`` logits never reach memory.
   * expansion (inside ``select_tokens``): selected pools -> their kp tokens, then the tail, then -1 padding.
@@ -38,6 +41,7 @@ from vllm_glm53.backends.plans import LatentCachePlan
 
 __all__ = [
     "kpool_compress",
+    "store_pooled_keys",
     "index_scores",
     "select_tokens",
     "select_batch",
@@ -111,6 +115,62 @@ def kpool_compress(k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Tensor
         D=D, KP=kp, BP=BP, BD=BD,
     )
     return out
+
+
+@triton.jit
+def _store_pooled_keys_kernel(
+    rows_ptr, block_table_ptr, req_ptr, position_ptr, slot_ptr, ape_ptr,
+    stride_block, stride_offset, stride_table, block_size, key_offset,
+    D: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    pos = tl.load(position_ptr + t)
+    if (slot >= 0) & (pos % KP == KP - 1):
+        req = tl.load(req_ptr + t)
+        chans = tl.arange(0, BD)
+        ok = chans < D
+        m = tl.full((BD,), float("-inf"), tl.float32)
+        for j in tl.static_range(KP):
+            s = pos - (KP - 1) + j
+            block = tl.load(block_table_ptr + req * stride_table + s // block_size).to(tl.int64)
+            row = rows_ptr + block * stride_block + (s % block_size) * stride_offset + key_offset
+            logit = tl.load(row + D + chans, mask=ok, other=0.0).to(tl.float32)
+            m = tl.maximum(m, logit + tl.load(ape_ptr + j * D + chans, mask=ok, other=0.0))
+        denom = tl.zeros((BD,), tl.float32)
+        acc = tl.zeros((BD,), tl.float32)
+        for j in tl.static_range(KP):
+            s = pos - (KP - 1) + j
+            block = tl.load(block_table_ptr + req * stride_table + s // block_size).to(tl.int64)
+            row = rows_ptr + block * stride_block + (s % block_size) * stride_offset + key_offset
+            logit = tl.load(row + D + chans, mask=ok, other=0.0).to(tl.float32)
+            e = tl.exp(logit + tl.load(ape_ptr + j * D + chans, mask=ok, other=0.0) - m)
+            denom += e
+            acc += e * tl.load(row + chans, mask=ok, other=0.0).to(tl.float32)
+        dst = rows_ptr + (slot // block_size) * stride_block + (slot % block_size) * stride_offset + key_offset
+        tl.store(dst + chans, (acc / denom).to(rows_ptr.dtype.element_ty), mask=ok)
+
+
+store_pooled_keys = Op("store_pooled_keys")
+
+
+@store_pooled_keys.register("triton")
+def store_pooled_keys_triton(rows: torch.Tensor, plan: LatentCachePlan, ape: torch.Tensor, key_offset: int) -> None:
+    """Store the compressed key of every pool this step completes over the key of its completing row (the
+    oracle's contract): one program per token of the step, those that complete no pool or are not stored (slot
+    -1) exit at once. rows ``[num_blocks, block_size, R]`` with this step's rows already written; ape ``[kp, dI]``."""
+    kp, D = ape.shape
+    if plan.num_tokens == 0:
+        return
+    if rows.stride(-1) != 1:
+        raise ValueError("store_pooled_keys needs contiguous channels in the cache rows")
+    req, position = plan.token_positions()
+    _store_pooled_keys_kernel[(plan.num_tokens,)](
+        rows, plan.block_table, req, position, plan.slot_mapping[: plan.num_tokens],
+        ape.to(torch.float32).contiguous(),
+        rows.stride(0), rows.stride(1), plan.block_table.stride(0), rows.shape[1], key_offset,
+        D=D, KP=kp, BD=triton.next_power_of_2(D),
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -252,18 +312,18 @@ def select_batch_triton(
     weights: torch.Tensor,
     rows: torch.Tensor,
     plan: LatentCachePlan,
-    ape: torch.Tensor,
     key_offset: int,
     topk: int,
     kp: int,
     always_select_tail: bool = True,
 ) -> torch.Tensor:
     """Index rows for every query of a batch from the paged cache (the oracle's contract): the plan's request r
-    has its queries at ``cu_seqlens[r]:cu_seqlens[r+1]``, its last positions of ``seq_lens[r]``; its indexer keys
-    sit at ``[key_offset, key_offset + dI)`` of its cache rows and the pooling-gate logits right after.
+    has its queries at ``cu_seqlens[r]:cu_seqlens[r+1]``, its last positions of ``seq_lens[r]``; the last cache row
+    of each complete pool holds the pool's compressed key at ``[key_offset, key_offset + dI)``
+    (:func:`store_pooled_keys`).
 
     Per request (:func:`~vllm_glm53.backends.cpu.indexer.select_per_request`, which reads the plan back to the
-    host): its complete pools' keys are gathered from the pages (one copy of 2 x dI values per token), then
-    compressed, scored and selected by the kernels above."""
-    return select_per_request(kpool_compress, index_scores, select_tokens, q, weights, rows, plan, ape,
-                              key_offset, topk, kp, always_select_tail)
+    host): its pooled keys are gathered from the pages (one row of dI values per pool), then scored and selected
+    by the kernels above."""
+    return select_per_request(index_scores, select_tokens, q, weights, rows, plan, key_offset, topk, kp,
+                              always_select_tail)
