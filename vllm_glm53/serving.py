@@ -106,7 +106,6 @@ class ModelCapabilities:
     quantizations: frozenset[str] | None  # None: whatever vLLM's layers take
     own_attention_backends: bool  # ignores --attention-backend / --sparse-indexer-topk-backend
     expert_parallel: bool  # MixtureOfExperts is not enough: the experts must really be partitioned
-    prefix_caching_with_drafts: bool  # hybrid-state snapshots at block boundaries with speculative decoding
     prefix_caching_with_pp: bool  # the same under pipeline parallel (vLLM wants KDA layers on every stage)
     eplb: bool  # expert-parallel load balancing (redundant experts, rebalancing)
     # EP only over the tensor-parallel ranks (no data parallel) and only for experts kept unquantized, which on CPU
@@ -130,9 +129,6 @@ PLUGIN_MODEL = ModelCapabilities(
     eplb=False,
     expert_parallel_tp_only=True,
     pp_with_speculation=False,
-    # The plugin keeps a whole KDA state (conv window + recurrent state) per draft position; vLLM's align-mode
-    # state copies for drafts assume one conv window extended by the draft length.
-    prefix_caching_with_drafts=False,
     # vLLM's align mode asserts that every stage's model has hybrid-state layers; a stage of MLA layers only
     # (e.g. the last one) has none, and a split that keeps KDA on every stage is untested.
     prefix_caching_with_pp=False,
@@ -146,7 +142,6 @@ VLLM_MODEL = ModelCapabilities(
     quantizations=None,
     own_attention_backends=False,
     expert_parallel=True,
-    prefix_caching_with_drafts=True,
     prefix_caching_with_pp=True,
     eplb=True,
     expert_parallel_tp_only=False,
@@ -157,12 +152,6 @@ VLLM_MODEL = ModelCapabilities(
 def state_refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
     """The refusals about the hybrid state that must be decided before vLLM sizes its caches (the plugin's config
     hook raises them at start-up; :func:`refusals` includes them)."""
-    if options.prefix_caching and options.speculative_method and not model.prefix_caching_with_drafts:
-        return [f"prefix caching (vLLM's default for this model, or --enable-prefix-caching) with --speculative-config "
-                f"method {options.speculative_method}: {DESCRIPTIONS[model.name]} keeps one KDA state per draft "
-                "position, which vLLM's prefix-cache state copies do not handle; add --no-enable-prefix-caching "
-                "(LLM(enable_prefix_caching=False)) to serve with drafts, or drop --speculative-config to keep "
-                "prefix caching"]
     if options.prefix_caching and options.pipeline_parallel_size > 1 and not model.prefix_caching_with_pp:
         return [f"prefix caching (vLLM's default for this model, or --enable-prefix-caching) with "
                 f"--pipeline-parallel-size {options.pipeline_parallel_size}: {DESCRIPTIONS[model.name]} does not keep "

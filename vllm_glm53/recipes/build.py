@@ -110,11 +110,10 @@ def build(hardware: str, strategy: str | None = None, variant: str | None = None
     served = _served(hw, serve)
     caps = serving.capabilities(served.model)
     for launch in serve:
-        # vLLM turns prefix caching on by default; this model serves drafts and pipeline stages without it
+        # vLLM turns prefix caching on by default; this model serves pipeline stages without it
         # (serving.state_refusals)
         pp = int((option_values(launch.args, "--pipeline-parallel-size") or ["1"])[-1] or 1)
-        needs_off = ("mtp" in chosen and not caps.prefix_caching_with_drafts) or (
-            pp > 1 and not caps.prefix_caching_with_pp)
+        needs_off = pp > 1 and not caps.prefix_caching_with_pp
         if needs_off and not option_values(launch.args, "--enable-prefix-caching"):
             launch.args.append("--no-enable-prefix-caching")
     check_rules(RuleContext(recipe, hw, var, chosen, serve, served))
