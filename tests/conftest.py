@@ -64,7 +64,7 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
     (dotted attribute paths of the model) ``(results, [{name: str(value)} per worker])``; with
     ``param_bytes=True`` what each worker's model holds: ``(results, [vllm_glm53.testing.parameter_bytes per
     worker])``. With ``conversation`` (``{"turns": [ids, ...], "max_tokens": n}``, see engine_runner.py) the same
-    engine then holds that conversation: ``(results, turns)``."""
+    engine then holds that conversation: ``(results, turns)``, ``(results, turns, metrics)`` with ``metrics``."""
     import tempfile
 
     if isinstance(max_tokens, int):
@@ -88,7 +88,10 @@ def run_engine(model, prompts, max_tokens, engine=None, logprobs=0, ignore_eos=F
         if param_bytes:
             return results["outputs"], results["param_bytes"]
         if conversation:
-            return results, json.loads(Path(str(out) + ".conversation.json").read_text())
+            turns = json.loads(Path(str(out) + ".conversation.json").read_text())
+            if metrics:
+                return results, turns, json.loads(Path(str(out) + ".metrics.json").read_text())
+            return results, turns
         if metrics:
             return results, json.loads(Path(str(out) + ".metrics.json").read_text())
         return results
