@@ -5,7 +5,7 @@
 SPEC: {"model": path, "prompts": [[ids...], ...], "max_tokens": [n, ...], "engine": {LLM kwargs},
        "ignore_eos": bool, "logprobs": k, "prompt_logprobs": bool, "metrics": bool}
 With "metrics", the engine's counters and gauges (vllm:*) are written to OUT.metrics.json.
-With "conversation": {"turns": [[ids...], ...], "max_tokens": n}, after the batch the engine also holds a
+With "conversation": {"turns": [[ids...], ...], "max_tokens": n, "ignore_eos": bool (optional)}, after the batch the engine also holds a
 conversation, one generate call per turn: turn i's prompt is turn i-1's prompt + its reply + turns[i] (turn 0's
 prompt is turns[0]). OUT.conversation.json: per turn {"prompt_token_ids", "token_ids", "logprobs",
 "prefix_cache_queries", "prefix_cache_hits"} (the engine's prefix-cache counters over that turn).
@@ -60,7 +60,8 @@ def _counter(llm, name: str) -> float:
 
 
 def _converse(llm, SamplingParams, conversation: dict, logprobs: int) -> list[dict]:
-    params = SamplingParams(max_tokens=conversation["max_tokens"], temperature=0.0, logprobs=logprobs)
+    params = SamplingParams(max_tokens=conversation["max_tokens"], temperature=0.0, logprobs=logprobs,
+                            ignore_eos=conversation.get("ignore_eos", False))
     turns, prompt = [], []
     for message in conversation["turns"]:
         prompt = prompt + (turns[-1]["token_ids"] if turns else []) + message

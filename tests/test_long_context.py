@@ -18,21 +18,28 @@ moves the logprobs of the positions right after it even where the last token's o
 parity tests in test_model_parity.py run vLLM unchunked.) The two ``kpool 2`` engines then hold the same 3-turn
 conversation (each turn's prompt is the previous prompt + reply + a new message): the cached run reuses its earlier
 turns' blocks (KDA state snapshots at block edges, latent and indexer rows from the cached pages) and must give
-exactly the uncached run's outputs.
+exactly the uncached run's outputs. With MTP drafts (3 per step, a draft layer right about two times in three), a
+third engine holds a longer conversation whose replies cross block edges inside verification steps, keeping every
+block edge's snapshot, and must give exactly what a fourth, the same engine without prefix caching, gives.
 
 Checked by breaking the code on purpose (2026-12-01): continuing prefill chunks starting from a zero KDA state fails
 the budget-32 test (generated tokens differ); a pool straddling a chunk edge losing its earlier-chunk rows (in the
 pooled key only, or also in the tail the query attends) fails it at a prompt position after the edge by 0.35 nats;
-the KDA conv state copied forward from one block too early (align mode) fails the conversation test.
+the KDA conv state copied forward from one block too early (align mode) fails the conversation test. With drafts
+(checked 2026-12-01, on the host copies of ``_vllm`` ledger 9): a request moving to a new block starting from the
+first draft slot instead of the last accepted one, a block edge's snapshot taken from the first slot instead of the
+edge token's, and no snapshot stored at all, each fail the drafts conversation test.
 
-Cost: three engine starts and six transformers forwards (one of 3,000 tokens).
+Cost: five engine starts and six transformers forwards (one of 3,000 tokens).
 """
 
 import random
+import shutil
 
 import pytest
 
 from conftest import hf_model, prompt_set, run_engine
+from vllm_glm53.tiny import make_exact_mtp
 
 pytestmark = pytest.mark.engine
 
@@ -44,6 +51,11 @@ NEAR_TIE_POSITIONS, NEAR_TIE_ATOL = 0.005, 0.02  # prompt positions where a near
 CONVERSATION_TURNS = (600, 150, 150)  # tokens of each new message
 CONVERSATION_REPLY = 6
 ENGINE = {"max_model_len": 4096, "max_num_seqs": 3}
+# With MTP drafts (3 per step): replies longer than a block, so verification steps reach and cross block edges (the
+# first reply crosses 640 and 768 from a 630-token prompt) and the next turn resumes from such an edge's snapshot
+DRAFTS = {"method": "mtp", "num_speculative_tokens": 3}
+DRAFT_TURNS, DRAFT_REPLY = (630, 120, 100), 144
+DRAFT_BATCH = ([200, 700], [90, 20])  # the short prompt's reply crosses 256 while the long one prefills
 
 
 def assert_matches(got, want, what, atol=LOGPROB_ATOL):
@@ -87,11 +99,11 @@ def assert_matches_transformers(path, prompts, got, what, atol=LOGPROB_ATOL):
         assert len(diffs) == len(greedy) and max(diffs) < atol, f"{what}, prompt {i}: logprob differences {diffs}"
 
 
-def conversation(vocab_size: int) -> dict:
+def conversation(vocab_size: int, turns=CONVERSATION_TURNS, reply=CONVERSATION_REPLY, **extra) -> dict:
     """New messages of random ordinary tokens (no overlap with the batch prompts' corpus text)."""
     rng = random.Random(17)
-    return {"turns": [[rng.randrange(3, vocab_size - 64) for _ in range(n)] for n in CONVERSATION_TURNS],
-            "max_tokens": CONVERSATION_REPLY}
+    return {"turns": [[rng.randrange(3, vocab_size - 64) for _ in range(n)] for n in turns], "max_tokens": reply,
+            **extra}
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +158,43 @@ def test_conversation_reuses_cached_prefixes_with_unchanged_outputs(cached64, un
         # 128: the block holding the prompt's last token is where decode continues the state)
         reusable = (len(cached[i - 1]["prompt_token_ids"]) - 1) // 128 * 128
         assert turn["prefix_cache_hits"] >= reusable > 0, f"turn {i + 1}: {turn['prefix_cache_hits']} hits"
+
+
+@pytest.fixture(scope="module")
+def drafting(kpool2, tmp_path_factory):
+    """The ``kpool 2`` checkpoint with an MTP layer that drafts mostly right: the main model's attention and MLP
+    outputs scaled down (``make_exact_mtp(keep=0.02)``), so its tokens depend on the context only a little and
+    the draft layer, which sees the current token only, is right about two times in three (measured 0.66): steps
+    accept any number of drafts, 0 to 3, so the state after the last accepted token is in any draft slot."""
+    path = tmp_path_factory.mktemp("drafting") / "long-kpool2-drafting"
+    shutil.copytree(kpool2[0], path)
+    make_exact_mtp(path, keep=0.02)
+    return path, prompt_set(path, DRAFT_BATCH[0])
+
+
+def test_conversation_with_mtp_drafts_reuses_cached_prefixes_with_unchanged_outputs(drafting):
+    """Prefix caching with MTP (issue #17): vLLM's align mode moves the KDA state between blocks from the draft
+    slot of the accepted token (a verification step reaching a block edge stores that edge's snapshot; a request
+    moving on to a new block starts from its last accepted slot), so with every block edge kept
+    (``prefix_cache_retention_interval=None``) a turn resumes from a snapshot a verification step stored. Outputs
+    and logprobs must be those of the same engine without prefix caching, which never copies a state."""
+    path, prompts = drafting
+    conv = conversation(512, DRAFT_TURNS, DRAFT_REPLY, ignore_eos=True)  # replies of full length: edges crossed
+    engine = {**ENGINE, "max_num_batched_tokens": 64, "speculative_config": DRAFTS}
+    cached, cached_turns, metrics = run_engine(
+        path, prompts, DRAFT_BATCH[1], logprobs=1, ignore_eos=True, conversation=conv, metrics=True,
+        engine={**engine, "prefix_cache_retention_interval": None})
+    uncached, uncached_turns = run_engine(path, prompts, DRAFT_BATCH[1], logprobs=1, ignore_eos=True,
+                                          conversation=conv, engine={**engine, "enable_prefix_caching": False})
+    acceptance = metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_draft_tokens"]
+    print(f"acceptance {acceptance:.2f}; prefix-cache hits per turn:",
+          [(t["prefix_cache_hits"], t["prefix_cache_queries"]) for t in cached_turns])
+    assert 0.2 < acceptance < 0.9  # drafts partly accepted: the accepted slot varies
+    assert_matches(cached, uncached, "batch with drafts, prefix caching on vs off")
+    assert [t["prompt_token_ids"] for t in cached_turns] == [t["prompt_token_ids"] for t in uncached_turns]
+    assert all(len(t["token_ids"]) == DRAFT_REPLY for t in cached_turns)
+    assert_matches(cached_turns, uncached_turns, "conversation with drafts, prefix caching on vs off")
+    assert all(t["prefix_cache_hits"] == 0 for t in uncached_turns)
+    assert all(t["prefix_cache_hits"] > 0 and t["prefix_cache_hits"] % 128 == 0 for t in cached_turns[1:])
+    # the second turn resumes past the first prompt's end: from a block edge a verification step reached
+    assert cached_turns[1]["prefix_cache_hits"] > len(cached_turns[0]["prompt_token_ids"])

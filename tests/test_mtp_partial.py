@@ -266,3 +266,52 @@ def test_partly_right_drafts_keep_outputs_and_are_accepted_exactly(tiny_ckpt, tm
     assert metrics["vllm:spec_decode_num_drafts"] == len(rounds)
     assert metrics["vllm:spec_decode_num_draft_tokens"] == N_DRAFTS * len(rounds)
     assert metrics["vllm:spec_decode_num_accepted_tokens"] == sum(rounds)
+
+
+def test_align_mode_copies_with_drafts_move_whole_draft_slots():
+    """The host stand-ins for vLLM's align-mode copy kernels with drafts (``_vllm`` ledger 9), driven as vLLM's
+    runner drives them (``MambaSpecDecodeGPUContext``: state base addresses, byte strides, block-table addresses),
+    on block 128 and 3 drafts. After sampling: a step whose accepted tokens reach a block edge stores the slot of
+    the token at the edge as that block's snapshot (into the running column itself, which then restarts from its
+    first slot, or into the block before it). Before a step: a request moving to a new column starts from the slot
+    of its last accepted token. Both KDA states alike, whole."""
+    from vllm_glm53 import _vllm
+
+    gen = torch.Generator().manual_seed(1)
+    states = [torch.randn(40, 6, 3, generator=gen), torch.randn(40, 2, 4, 4, generator=gen)]  # conv, recurrent
+    tables = torch.randperm(40, generator=gen).to(torch.int32).view(4, 10)[:3].contiguous()  # 3 requests
+    n = len(states)
+    meta = dict(
+        block_table_ptrs_ptr=torch.tensor([tables.data_ptr()]), block_table_stride_req=tables.stride(0),
+        state_base_addrs_ptr=torch.tensor([s.data_ptr() for s in states]),
+        state_block_strides_ptr=torch.tensor([s.stride(0) * s.element_size() for s in states]),
+        state_elem_sizes_ptr=torch.tensor([s.element_size() for s in states], dtype=torch.int32),
+        state_inner_sizes_ptr=torch.tensor([s[0].numel() for s in states]),
+        state_conv_widths_ptr=torch.zeros(n, dtype=torch.int32),
+        state_group_indices_ptr=torch.zeros(n, dtype=torch.int32),
+        state_dim_row_count_ptr=torch.zeros(n, dtype=torch.int32), state_dim_row_stride_ptr=torch.zeros(n))
+
+    def moved(copies):  # the states after copying (request, src column) -> (request, dst column)
+        want = [s.clone() for s in states]
+        for r, src, dst in copies:
+            for w in want:
+                w[tables[r, dst]] = w[tables[r, src]]
+        return want
+
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    # request 0: 636 computed + 4 (3 drafts), all accepted: the edge 640 is its 4th token, running column 4 ->
+    #   column 4 + 3 into 4, next step from slot 0; request 1: 638 + 4, 2 accepted (edge = 2nd token) while
+    #   running in column 5 -> column 6 into 4; request 2: 600 + 4, 3 accepted: no edge reached.
+    accepted, out = i32(4, 2, 3), i32(4, 2, 3)
+    want = moved([(0, 7, 4), (1, 6, 4)])
+    _vllm._host_postprocess_align(accepted, i32(4, 5, 4), i32(4, 4, 4), i32(636, 638, 600), i32(3, 3, 3),
+                                  num_accepted_tokens_out_ptr=out, idx_mapping_ptr=None, num_reqs=3,
+                                  block_size=128, **meta)
+    assert all(torch.equal(s, w) for s, w in zip(states, want))
+    assert out.tolist() == [1, 2, 3]
+    # before a step: request 0 moves from column 4 to 5 with 3 accepted (slot 4 + 2); request 1 is fresh (-1);
+    # request 2 stays in its column
+    want = moved([(0, 6, 5)])
+    _vllm._host_precopy_align(i32(5, 5, 4), i32(4, -1, 4), i32(2, 0, 1), idx_mapping_ptr=None, num_reqs=3,
+                              HAS_IDX_MAPPING=False, **meta)
+    assert all(torch.equal(s, w) for s, w in zip(states, want))

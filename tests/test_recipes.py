@@ -495,7 +495,6 @@ REJECTED = [
     (dict(hardware="b200", features=["dflash"]), "rule one-drafter"),  # MTP is on by default there
     (dict(hardware="mi355x", features=["dflash"]), "rule dflash-platform"),
     (dict(hardware="h100", variant="bf16"), "rule memory"),
-    (dict(hardware="cpu", features=["mtp"], extra_args=["--enable-prefix-caching"]), "--no-enable-prefix-caching"),
     (dict(hardware="h200", extra_args=["--tokenizer-mode", "auto"]), "rule glm-flags"),
     (dict(hardware="atlas-a3", features=["no-expert-parallel"]), "required"),
     (dict(hardware="h200", features=["aiter-topk"]), "does not offer aiter-topk"),
@@ -518,6 +517,7 @@ def test_forbidden_requests_are_rejected(request_, match):
     dict(hardware="b200", features=["no-mtp", "dflash"]),
     dict(hardware="h200", variant="bf16"),  # 8 x 141 GB holds the BF16 checkpoint
     dict(hardware="gb200", variant="nvfp4", extra_args=["--kv-cache-dtype", "fp8"]),
+    dict(hardware="cpu", features=["mtp"], extra_args=["--enable-prefix-caching"]),  # the plugin's model: both
 ])
 def test_allowed_neighbours_of_forbidden_requests_build(request_, cli):
     plan = R.build(**request_, params=example_params(R.select(request_["hardware"], request_.get("strategy"))[0]))

@@ -275,17 +275,25 @@ def test_default_options_are_served(engine_config):
     check_serve_options(config)  # raises if anything were refused
 
 
-def test_prefix_caching_with_mtp_is_refused_at_start_up_naming_the_flags(engine_config):
-    mtp = {"method": "mtp", "num_speculative_tokens": 1}
-    with pytest.raises(ValueError, match="--speculative-config method mtp") as err:
-        engine_config(speculative_config=mtp)  # prefix caching on: vLLM's default
-    assert "--no-enable-prefix-caching" in str(err.value)
-    with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
-        engine_config(speculative_config=mtp, enable_prefix_caching=True)
-    config = engine_config(speculative_config=mtp, enable_prefix_caching=False)
-    assert config.cache_config.mamba_cache_mode == "none" and config.scheduler_config.enable_chunked_prefill
+def test_prefix_caching_with_mtp_is_served(engine_config):
+    """Prefix caching (vLLM's default, align mode) with MTP drafts: the plugin's model accepts it, and tells vLLM
+    that its KDA states are copied whole from the draft slot of the last accepted token (both states, conv window
+    included: vLLM's whole-slot copy spec, the only other one its fused copy kernels take being the shifted conv
+    window); the recipe builder keeps prefix caching on with the mtp feature."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
+
+    from vllm_glm53.model.model import Glm5NextForCausalLM, check_serve_options
+    from vllm_glm53.recipes import build
+
+    mtp = {"method": "mtp", "num_speculative_tokens": 3}
+    config = engine_config(speculative_config=mtp)  # prefix caching on: vLLM's default
+    assert config.cache_config.enable_prefix_caching and config.cache_config.mamba_cache_mode == "align"
+    check_serve_options(config)
+    assert Glm5NextForCausalLM.get_mamba_state_copy_func() == (get_temporal_copy_spec, get_temporal_copy_spec)
     opts = serving.ServeOptions(speculative_method="mtp", prefix_caching=True)
-    assert serving.refusals(serving.PLUGIN_MODEL, opts) and not serving.refusals(serving.VLLM_MODEL, opts)
+    assert not serving.refusals(serving.PLUGIN_MODEL, opts)
+    plan = build("cpu", features=["mtp"])
+    assert all("--no-enable-prefix-caching" not in launch.args for launch in plan.serve_launches())
 
 
 def test_prefix_caching_with_a_pipeline_stage_without_kda_is_refused_at_start_up_naming_the_flags(engine_config,

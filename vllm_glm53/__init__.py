@@ -53,7 +53,7 @@ def _check_engine_config(vllm_config) -> None:
     refuses what the plugin's state handling cannot serve, naming the flags."""
     from vllm_glm53 import _vllm, serving
 
-    problems = serving.state_refusals(serving.PLUGIN_MODEL, _vllm.serve_options(vllm_config))
+    problems = serving.state_refusals(_vllm.serve_options(vllm_config))
     if problems:
         raise ValueError("vllm-glm53: " + "; ".join(problems))
     if _vllm.cpu_ray_executor(vllm_config):

@@ -37,10 +37,9 @@ Each entry: why, how, and the upstream change that would retire it.
    the weight it was given.
 6. ``MODELS_CONFIG_MAP`` entries for the GLM-5.3 architectures (:func:`register_config_hook`), with the plugin's
    model only. Why: some serve options are a property of the model's state handling that vLLM cannot know
-   (prefix caching with MTP: vLLM's align-mode copies assume one state per request and a shifted conv window,
-   the plugin keeps one state slot per draft position); they must be refused with a message naming the flags
-   before vLLM sizes caches for them. How: a config hook where vLLM runs a model's own config checks. Retire: a
-   model-class hook for engine-config validation.
+   (prefix caching with pipeline parallel: vLLM's align mode wants hybrid-state layers on every stage); they must
+   be refused with a message naming the flags before vLLM sizes caches for them. How: a config hook where vLLM
+   runs a model's own config checks. Retire: a model-class hook for engine-config validation.
 7. The receive buffer of a later pipeline stage on CPU in eager mode (:func:`cpu_pp_receive_buffer`), installed
    only when the plugin's model is built on a CPU worker with ``--pipeline-parallel-size`` > 1. Why: vLLM
    allocates that buffer (``model_runner.intermediate_tensors``) in its dummy run only, and the CPU worker skips
@@ -61,6 +60,21 @@ Each entry: why, how, and the upstream change that would retire it.
    '{"vllm_cpu_rank": N}'``), and a worker actor reports its node with no device ids. Placement, the
    process groups (gloo) and the message queues are vLLM's own. Retire: the CPU platform declaring a Ray resource
    and CPU-aware worker actors upstream.
+9. CPU stand-ins for vLLM's two align-mode state-copy kernels of speculative decoding (:func:`cpu_align_spec_copies`),
+   registered when the plugin's model is built on a CPU worker without Triton, with prefix caching and
+   ``--speculative-config``. Why: with drafts on a hybrid model, vLLM 0.32's V1 runner (``gpu_model_runner.py``,
+   the CPU runner's base) moves the hybrid state between align-mode blocks with two fused Triton kernels only,
+   ``precopy_mamba_align_fused_kernel`` (before a step, ``mamba_utils.preprocess_mamba`` through
+   ``MambaSpecDecodeGPUContext.run_fused_precopy``) and ``postprocess_mamba_fused_kernel`` (after sampling,
+   ``postprocess_mamba_align_gpu``); the CPU platform registers a C++ stand-in for ``batch_memcpy_kernel`` (the
+   copy without drafts) but none for these, so the first step failed with "'function' object is not
+   subscriptable". How: vLLM's own override table for Triton kernels on other platforms
+   (``vllm.triton_utils.dispatcher.register_kernels``, the one ``platforms/cpu.py`` uses) gets host
+   implementations of the same contract: the same decisions (which block's state to copy where, the accepted
+   count reset to 1) and whole-slot copies. Only whole-slot copies exist: the model declares
+   ``get_temporal_copy_spec`` for both its states (:func:`kda_state_copy_funcs`), since it keeps the conv window
+   whole in every draft slot as it does the recurrent state (vLLM's shifted conv window is not used). Retire: the
+   CPU platform registering stand-ins for these kernels.
 """
 
 from __future__ import annotations
@@ -216,7 +230,7 @@ _LAZY_NAMES = {
     "RowParallelLinear": ("vllm.model_executor.layers.linear",),
     "LogitsProcessor": ("vllm.model_executor.layers.logits_processor",),
     "MambaBase": ("vllm.model_executor.layers.mamba.abstract",),
-    "MambaStateCopyFuncCalculator": ("vllm.model_executor.layers.mamba.mamba_utils",),
+    "get_temporal_copy_spec": ("vllm.model_executor.layers.mamba.mamba_utils",),
     "ParallelLMHead": ("vllm.model_executor.layers.vocab_parallel_embedding",),
     "VocabParallelEmbedding": ("vllm.model_executor.layers.vocab_parallel_embedding",),
     "default_weight_loader": ("vllm.model_executor.model_loader.weight_utils",),
@@ -395,6 +409,135 @@ def cpu_pp_receive_buffer(vllm_config) -> bool:
     CPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
     CPUModelRunner._glm53_receive_buffer = True
     return True
+
+
+def kda_state_copy_funcs() -> tuple:
+    """The copy functions of the KDA states (conv window, recurrent state) for vLLM's align-mode prefix caching.
+
+    vLLM calls one per state with ``(state, block_ids, cur_block_idx, num_accepted_tokens)`` and copies the
+    region it names into another block. The plugin keeps both states whole in every draft slot (the state after
+    a request's i-th verified token is in slot ``cur_block_idx + i``), so for both the state after the last
+    accepted token is the whole slot ``block_ids[cur_block_idx + num_accepted_tokens - 1]``: vLLM's
+    ``get_temporal_copy_spec``. (vLLM's own KDA keeps one conv window per request, widened by the draft count,
+    and shifts it by the accepted count: ``get_conv_copy_spec``.) vLLM's fused copy kernels accept only these two
+    functions, by identity."""
+    copy = __getattr__("get_temporal_copy_spec")
+    return (copy, copy)
+
+
+_ALIGN_KERNELS = "vllm.v1.worker.mamba_utils."
+_ALIGN_COPIES: list = []  # [True] once registered in this process
+
+
+def cpu_align_spec_copies(vllm_config) -> bool:
+    """Ledger 9: host stand-ins for vLLM's align-mode state-copy kernels of speculative decoding, on a CPU worker
+    without Triton serving with prefix caching and drafts. Returns whether they are in place. Idempotent."""
+    if (vllm_config.cache_config.mamba_cache_mode != "align"
+            or getattr(vllm_config, "speculative_config", None) is None or not is_cpu_platform()):
+        return False
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        return False  # Triton-CPU runs vLLM's kernels themselves
+    if not _ALIGN_COPIES:
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        register_kernels({_ALIGN_KERNELS + "precopy_mamba_align_fused_kernel": _host_precopy_align,
+                          _ALIGN_KERNELS + "postprocess_mamba_fused_kernel": _host_postprocess_align})
+        _ALIGN_COPIES.append(True)
+    return True
+
+
+class _StateBlocks:
+    """Addresses of the hybrid-state tensors and block tables as vLLM's align-mode copy kernels receive them
+    (``MambaSpecDecodeGPUContext``: one entry per (layer, state) pair, int64 base addresses, byte strides)."""
+
+    def __init__(self, block_table_ptrs, block_table_stride_req, base_addrs, block_strides, elem_sizes, inner_sizes,
+                 conv_widths, group_indices) -> None:
+        mask = (1 << 64) - 1  # vLLM stores the addresses as int64 bit patterns
+        self.tables = [int(v) & mask for v in block_table_ptrs.tolist()]
+        self.stride_req = int(block_table_stride_req)
+        self.bases = [int(v) & mask for v in base_addrs.tolist()]
+        self.block_strides = block_strides.tolist()
+        self.sizes = [n * e for n, e in zip(inner_sizes.tolist(), elem_sizes.tolist())]
+        self.groups = group_indices.tolist()
+        if any(w > 0 for w in conv_widths.tolist()):
+            raise NotImplementedError("vllm-glm53: the host align-mode copies move whole state slots only "
+                                      "(get_temporal_copy_spec); a shifted conv window was requested")
+
+    def block(self, group: int, row: int, col: int) -> int:
+        import ctypes
+
+        return ctypes.c_int32.from_address(self.tables[group] + 4 * (row * self.stride_req + col)).value
+
+    def copy(self, row: int, src_col: int, dst_col: int) -> None:
+        """Every state of request ``row``: the slot in its block column ``src_col`` into the one in ``dst_col``."""
+        import ctypes
+
+        for s, (base, stride, size, group) in enumerate(zip(self.bases, self.block_strides, self.sizes,
+                                                            self.groups)):
+            src, dst = self.block(group, row, src_col), self.block(group, row, dst_col)
+            if src != dst:
+                ctypes.memmove(base + dst * stride, base + src * stride, size)
+
+
+def _rows(num_reqs: int, idx_mapping) -> list[int]:
+    """The request-state rows of a launch's batch rows (V1: the same; V2 maps them, -1 skips)."""
+    if idx_mapping is None:
+        return list(range(int(num_reqs)))
+    return [r for r in idx_mapping[: int(num_reqs)].tolist() if r >= 0]
+
+
+def _host_precopy_align(mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
+                        block_table_stride_req, state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
+                        state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
+                        state_dim_row_count_ptr, state_dim_row_stride_ptr, idx_mapping_ptr, num_reqs,
+                        COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=None, HAS_IDX_MAPPING=True, TEMPORAL_TILES=None):
+    """Before a step: a request that moved to a new block column starts from its last accepted state, copied
+    from the previous column (+ the accepted-token bias) into the new one."""
+    blocks = _StateBlocks(block_table_ptrs_ptr, block_table_stride_req, state_base_addrs_ptr,
+                          state_block_strides_ptr, state_elem_sizes_ptr, state_inner_sizes_ptr,
+                          state_conv_widths_ptr, state_group_indices_ptr)
+    dst_cols, src_cols, biases = (t.tolist() for t in (mamba_state_idx_ptr, src_col_ptr, token_bias_ptr))
+    for row in _rows(num_reqs, idx_mapping_ptr if HAS_IDX_MAPPING else None):
+        src, dst = src_cols[row], dst_cols[row]
+        if src >= 0 and src != dst:
+            blocks.copy(row, src + biases[row], dst)
+
+
+def _host_postprocess_align(num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr,
+                            num_computed_tokens_ptr, num_draft_tokens_ptr, block_table_ptrs_ptr,
+                            block_table_stride_req, state_base_addrs_ptr, state_block_strides_ptr,
+                            state_elem_sizes_ptr, state_inner_sizes_ptr, state_conv_widths_ptr,
+                            state_group_indices_ptr, state_dim_row_count_ptr, state_dim_row_stride_ptr,
+                            num_accepted_tokens_out_ptr, idx_mapping_ptr, num_reqs, block_size,
+                            COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=None, HAS_IDX_MAPPING=False,
+                            PRECOMPUTED_NEW_COMPUTED=False, TEMPORAL_TILES=None):
+    """After sampling: when the accepted tokens reach or pass a block edge, the state at that edge (the draft slot
+    of the token that completes the block) becomes the snapshot of the block it completes; when that block is
+    the request's running column, the next step starts from its first slot (accepted count 1)."""
+    blocks = _StateBlocks(block_table_ptrs_ptr, block_table_stride_req, state_base_addrs_ptr,
+                          state_block_strides_ptr, state_elem_sizes_ptr, state_inner_sizes_ptr,
+                          state_conv_widths_ptr, state_group_indices_ptr)
+    accepted, cols, computed = (t.tolist() for t in (num_accepted_tokens_ptr, mamba_state_idx_ptr,
+                                                      num_computed_tokens_ptr))
+    if not PRECOMPUTED_NEW_COMPUTED:
+        scheduled, drafts = num_scheduled_tokens_ptr.tolist(), num_draft_tokens_ptr.tolist()
+    for row in _rows(num_reqs, idx_mapping_ptr if HAS_IDX_MAPPING else None):
+        if PRECOMPUTED_NEW_COMPUTED:
+            done = computed[row]
+            first = done - accepted[row] + 1
+        else:
+            first = computed[row] + scheduled[row] - drafts[row]  # tokens the step's first slot has seen
+            done = first + accepted[row] - 1
+        edge = done // block_size * block_size
+        if edge < first:
+            continue  # no kept state sits at a block edge
+        src, dst = cols[row] + edge - first, edge // block_size - 1
+        if dst == cols[row]:
+            num_accepted_tokens_out_ptr[row] = 1
+        if src != dst:
+            blocks.copy(row, src, dst)
 
 
 def cpu_skip_gemm_dispatch(linear) -> None:

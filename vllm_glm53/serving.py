@@ -109,7 +109,6 @@ class ModelCapabilities:
     quantizations: frozenset[str] | None  # None: whatever vLLM's layers take
     own_attention_backends: bool  # ignores --attention-backend / --sparse-indexer-topk-backend
     expert_parallel: bool  # MixtureOfExperts is not enough: the experts must really be partitioned
-    prefix_caching_with_drafts: bool  # hybrid-state snapshots at block boundaries with speculative decoding
     eplb: bool  # expert-parallel load balancing (redundant experts, rebalancing)
     # EP only over the tensor-parallel ranks (no data parallel) and only for experts kept unquantized, which on CPU
     # includes FP8 checkpoints (dequantized at load); quantized expert kernels keep every expert
@@ -132,9 +131,6 @@ PLUGIN_MODEL = ModelCapabilities(
     eplb=False,
     expert_parallel_tp_only=True,
     pp_with_speculation=False,
-    # The plugin keeps a whole KDA state (conv window + recurrent state) per draft position; vLLM's align-mode
-    # state copies for drafts assume one conv window extended by the draft length.
-    prefix_caching_with_drafts=False,
 )
 
 VLLM_MODEL = ModelCapabilities(
@@ -145,22 +141,16 @@ VLLM_MODEL = ModelCapabilities(
     quantizations=None,
     own_attention_backends=False,
     expert_parallel=True,
-    prefix_caching_with_drafts=True,
     eplb=True,
     expert_parallel_tp_only=False,
     pp_with_speculation=True,
 )
 
 
-def state_refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
-    """The refusals about the hybrid state that must be decided before vLLM sizes its caches (the plugin's config
-    hook raises them at start-up; :func:`refusals` includes them)."""
-    if options.prefix_caching and options.speculative_method and not model.prefix_caching_with_drafts:
-        return [f"prefix caching (vLLM's default for this model, or --enable-prefix-caching) with --speculative-config "
-                f"method {options.speculative_method}: {DESCRIPTIONS[model.name]} keeps one KDA state per draft "
-                "position, which vLLM's prefix-cache state copies do not handle; add --no-enable-prefix-caching "
-                "(LLM(enable_prefix_caching=False)) to serve with drafts, or drop --speculative-config to keep "
-                "prefix caching"]
+def state_refusals(options: ServeOptions) -> list[str]:
+    """The refusals about the hybrid state that must be decided before vLLM sizes its caches, whichever model
+    serves (vLLM's own engine asserts on them; the plugin's config hook raises them at start-up first, and
+    :func:`refusals` includes them)."""
     if options.prefix_caching and options.stages_without_kda:
         return [f"prefix caching (vLLM's default for this model, or --enable-prefix-caching) with "
                 f"--pipeline-parallel-size {options.pipeline_parallel_size}: pipeline stage "
@@ -173,7 +163,7 @@ def state_refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]
 def refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
     """Why ``model`` cannot serve with ``options``: one sentence per refused option, naming the flag."""
     who = DESCRIPTIONS[model.name]
-    out = state_refusals(model, options)
+    out = state_refusals(options)
     if options.pipeline_parallel_size > 1 and "SupportsPP" not in model.interfaces:
         out.append(f"--pipeline-parallel-size {options.pipeline_parallel_size}: {who} has no pipeline parallel")
     if options.lora and "SupportsLoRA" not in model.interfaces:

@@ -430,7 +430,7 @@ def rotate_w8a8_mtp(path: str | os.PathLike, seed: int) -> None:
               metadata={"format": "pt"})
 
 
-def make_exact_mtp(path: str | os.PathLike) -> None:
+def make_exact_mtp(path: str | os.PathLike, keep: float = 0.0) -> None:
     """Rewrite a nested float checkpoint in place so that its MTP layer drafts exactly what the main model will
     generate (for speculative-decoding tests and benchmarks).
 
@@ -438,6 +438,10 @@ def make_exact_mtp(path: str | os.PathLike) -> None:
     token only (its hidden state is ``norm(embed(token))``); the MTP layer is made to compute that same
     function of the token it is given (``eh_proj`` passes the normed embedding through, the block adds
     nothing, ``shared_head.norm`` is the final norm).
+
+    With ``keep > 0`` the output projections are scaled by ``keep`` instead of zeroed: the main model still reads
+    its context (its KDA states and attention matter), a little, so the drafts are often right but not always
+    (any number of drafts accepted, as in real serving).
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -450,7 +454,7 @@ def make_exact_mtp(path: str | os.PathLike) -> None:
     mtp = f"model.language_model.layers.{cfg['text_config']['num_hidden_layers']}."
     for name, t in tensors.items():
         if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
-            tensors[name] = torch.zeros_like(t)
+            tensors[name] = t * keep
     eh = tensors[mtp + "eh_proj.weight"]
     d = eh.shape[0]
     passthrough = torch.zeros(d, 2 * d)

@@ -11,7 +11,10 @@ forward pass of a step has no Python loop over requests and reads nothing back f
     verification (a state after every token, one slot per draft position) and prefix caching: in vLLM's "align"
     mode the scheduler ends prefill chunks at block edges and names the slot of the chunk's last block, so the
     state stored after the chunk is that block's snapshot, and a request whose prefix hits the cache starts from
-    the slot of its last cached block (vLLM copies it forward with the model's copy functions).
+    the slot of its last cached block (vLLM copies it forward with the model's copy functions). With drafts the
+    same copies move whole draft slots: a verification step that reaches a block edge leaves the state after the
+    edge token in that token's draft slot, which vLLM copies into the block's snapshot; a request moving on to a
+    new block starts from a copy of its last accepted token's slot.
   * :class:`LatentCachePlan` (sparse MLA + indexer, built by :mod:`vllm_glm53.backends.latent_cache`): request
     token ranges, total and cached lengths, the block table and the new tokens' cache slots. A prefill chunk
     continuing a request reads its earlier tokens from the paged cache (``context_lens > 0``).

@@ -24,7 +24,6 @@ from vllm_glm53._vllm import (
     IsHybrid,
     MULTIMODAL_REGISTRY,
     LogitsProcessor,
-    MambaStateCopyFuncCalculator,
     ParallelLMHead,
     PPMissingLayer,
     SupportsMultiModal,
@@ -180,6 +179,7 @@ class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
         super().__init__()
         check_serve_options(vllm_config)
         _vllm.cpu_pp_receive_buffer(vllm_config)
+        _vllm.cpu_align_spec_copies(vllm_config)
         hf_config = vllm_config.model_config.hf_config
         self.arch = text_arch(hf_config)
         self.model_dtype = vllm_config.model_config.dtype
@@ -221,7 +221,8 @@ class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
 
     @classmethod
     def get_mamba_state_copy_func(cls):
-        return MambaStateCopyFuncCalculator.kda_state_copy_func()
+        # one whole state per draft slot: a copy is slot to slot (the adapter says how vLLM is told so)
+        return _vllm.kda_state_copy_funcs()
 
 
 @MULTIMODAL_REGISTRY.register_processor(

@@ -18,7 +18,7 @@ from vllm_glm53.recipes.catalogue import (
 )
 from vllm_glm53.recipes.schema import select
 from vllm_glm53.recipes.plan import Launch, Plan
-from vllm_glm53.recipes.options import merge_options, option_values
+from vllm_glm53.recipes.options import merge_options
 from vllm_glm53.recipes.rules import RuleContext, check_rules, choose_features, feature_args
 
 
@@ -108,12 +108,6 @@ def build(hardware: str, strategy: str | None = None, variant: str | None = None
 
     serve = [launch for launch in launches if launch.kind == "serve"]
     served = _served(hw, serve)
-    caps = serving.capabilities(served.model)
-    for launch in serve:
-        # vLLM turns prefix caching on by default; this model serves drafts without it (serving.state_refusals)
-        needs_off = "mtp" in chosen and not caps.prefix_caching_with_drafts
-        if needs_off and not option_values(launch.args, "--enable-prefix-caching"):
-            launch.args.append("--no-enable-prefix-caching")
     check_rules(RuleContext(recipe, hw, var, chosen, serve, served))
     if unoffered:
         offered = ", ".join(n for n in recipe.features if recipe.features[n].state != "required")
