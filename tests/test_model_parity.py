@@ -1,13 +1,15 @@
 """End-to-end parity: vLLM + the plugin against transformers' ``generate`` on the same float32 checkpoints.
 
 The prompts range from 3 tokens to many times ``index_topk`` (8 in the tiny config, 2 pools of 4), so sparse
-selection really drops positions, and run as one batch with ``max_num_seqs=3`` so that steps mix prefills
-of new prompts with decodes of running ones.
+selection really drops positions. The mixed batch below (``LENGTHS``, run with ``max_num_seqs=3`` so that steps mix
+prefills of new prompts with decodes of running ones) is served on the nested (released) layout by
+tests/test_vision_engine.py's zero-limits run and with the reference ops by tests/test_ops_reference_engine.py;
+this module covers the flat layout, the released layer schedule and bfloat16.
 """
 
 import pytest
 
-from conftest import greedy_reference, hf_greedy, hf_model, prompt_set, run_engine
+from conftest import hf_greedy, hf_model, prompt_set, run_engine
 
 pytestmark = pytest.mark.engine
 
@@ -26,17 +28,6 @@ def assert_parity(got, want, atol=LOGPROB_ATOL):
         assert len(g["logprobs"]) == len(w["logprobs"]) == len(w["token_ids"]), f"prompt {i}: logprob counts"
         diffs = [abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"])]
         assert max(diffs) < atol, f"prompt {i}: logprob differences {diffs}"
-
-
-@pytest.fixture(scope="module")
-def nested(tiny_ckpt):
-    return greedy_reference(tiny_ckpt("default"), LENGTHS, MAX_TOKENS)
-
-
-def test_nested_mixed_batch_matches_transformers(nested):
-    path, prompts, want = nested
-    got = run_engine(path, prompts, MAX_TOKENS, engine={"max_num_seqs": 3}, logprobs=1)
-    assert_parity(got, want)
 
 
 def test_flat_checkpoint_matches_transformers(tiny_ckpt):

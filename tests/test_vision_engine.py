@@ -5,7 +5,8 @@ video processor, run as in ``test_vision_processor.hf_reference``): expanded tok
 ``Glm5NextForConditionalGeneration.generate``; vLLM gets the unexpanded prompt and the raw media. Expanded
 prompt ids and greedy tokens must be identical, logprobs close. One engine start serves every multimodal
 case batched with text-only prompts; a second one serves the same batch with pipeline parallel 2; a third checks
-that ``--limit-mm-per-prompt`` zero limits build no vision tower and still serve text.
+that ``--limit-mm-per-prompt`` zero limits build no vision tower and still serve text (the mixed-length parity
+batch of test_model_parity, on this nested checkpoint).
 
 The checkpoint's vision weights are initialised at std 0.1 so that image features are of the size of token
 embeddings (with the default 0.02 they are ~1e-3 and would barely move the logits).
@@ -25,6 +26,8 @@ import pytest
 import torch
 
 from conftest import TESTS, EngineRunError, hf_model, probe, prompt_set
+from test_model_parity import LENGTHS as PARITY_LENGTHS
+from test_model_parity import MAX_TOKENS as PARITY_MAX_TOKENS
 from test_vision_processor import VISION_CKPT, hf_reference, random_frames
 
 pytestmark = pytest.mark.engine
@@ -101,7 +104,8 @@ def run_mm_engine(model, prompts, mm_data, max_tokens, engine, rejected=(), prob
                               for i in range(videos)]}
 
         spec = {
-            "model": str(model), "prompts": prompts, "max_tokens": [max_tokens] * len(prompts), "engine": engine,
+            "model": str(model), "prompts": prompts, "engine": engine,
+            "max_tokens": max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts),
             "logprobs": 1, "mm_data": [entry(*m, i) if m else None for i, m in enumerate(mm_data)],
             "rejected": [{"prompt": p, "mm_data": entry(*m, f"r{i}")} for i, (p, m) in enumerate(rejected)],
             **({"probe": probe} if probe else {}),
@@ -167,29 +171,37 @@ def test_images_and_videos_match_transformers(ckpt, tokenizer, batch):
 
 
 def test_images_and_videos_under_pipeline_parallel_match_transformers(ckpt, batch):
-    """PP 2, split 2 | 3 (KDA layers on both stages, so prefix caching stays on): the vision tower runs on the first
-    stage with the embedding, and the merged image and video embeddings cross the stage boundary inside the mHC
-    streams; the second stage never builds a tower."""
+    """PP 2 (the mp executor, one core per stage), split 4 | 1: the vision tower runs on the first stage with the
+    embedding, and the merged image and video embeddings cross the stage boundary inside the mHC streams; the
+    second stage starts with the ``shared`` sparse-MLA layer 4, so the selection of layer 3's indexer crosses
+    too. Each stage builds only its layers and only the first a tower. (Prefix caching off: a stage of sparse-MLA
+    layers only has no KDA state for it, see tests/test_serving.py; tests/test_parallel.py runs PP with caching.)"""
     prompts, mm, want_ids, want = batch
+    layers = ["model.layers.3.__class__.__name__", "model.layers.4.__class__.__name__"]
     got = run_mm_engine(ckpt, prompts, mm, MAX_TOKENS,
                         engine={"max_num_seqs": 3, "limit_mm_per_prompt": {"image": 2, "video": 1},
-                                "pipeline_parallel_size": 2},
-                        probe=probe("model_attributes", paths=["visual.__class__.__name__"]),
-                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PP_LAYER_PARTITION": "2,3"})
+                                "pipeline_parallel_size": 2, "enable_prefix_caching": False},
+                        probe=probe("model_attributes", paths=["visual.__class__.__name__", *layers]),
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_PP_LAYER_PARTITION": "4,1"})
     for i, (g, w, ids) in enumerate(zip(got["outputs"], want, want_ids)):
         assert g["prompt_token_ids"] == ids, f"prompt {i}: vLLM's expansion differs from transformers' processor"
         assert_same_generation(g, w, f"PP 2, prompt {i}")
-    assert [p["visual.__class__.__name__"] for p in got["probe"]] == ["Glm5NextVisionTower", "NoneType"]
+    built = [[p[k] for k in ("visual.__class__.__name__", *layers)] for p in got["probe"]]
+    assert built == [["Glm5NextVisionTower", "Glm5NextDecoderLayer", "PPMissingLayer"],
+                     ["NoneType", "PPMissingLayer", "Glm5NextDecoderLayer"]], built
 
 
 def test_zero_limits_build_no_tower_and_serve_text(ckpt, tokenizer, reference):
+    """``--limit-mm-per-prompt`` zero limits: no tower is built and the released (nested) layout serves text; the
+    batch is test_model_parity's mixed one (3 to 260 tokens, many times index_topk, prefills mixed with decodes)."""
     _, model = reference
-    texts = prompt_set(ckpt, [5, 33, 70])
-    want = [hf_greedy_mm(model, {"input_ids": torch.tensor([t])}, MAX_TOKENS) for t in texts]
+    texts = prompt_set(ckpt, PARITY_LENGTHS)
+    want = [hf_greedy_mm(model, {"input_ids": torch.tensor([t])}, n) for t, n in zip(texts, PARITY_MAX_TOKENS)]
     image_prompt = tokenizer.encode(f"Describe {IMG}", add_special_tokens=False)
-    got = run_mm_engine(ckpt, texts, [None] * len(texts), MAX_TOKENS,
-                        engine={"limit_mm_per_prompt": {"image": 0, "video": 0}},
-                        rejected=[(image_prompt, (["a"], 0))], probe=probe("model_attributes", paths=["visual.__class__.__name__"]))
+    got = run_mm_engine(ckpt, texts, [None] * len(texts), PARITY_MAX_TOKENS,
+                        engine={"max_num_seqs": 3, "limit_mm_per_prompt": {"image": 0, "video": 0}},
+                        rejected=[(image_prompt, (["a"], 0))],
+                        probe=probe("model_attributes", paths=["visual.__class__.__name__"]))
     for i, (g, w) in enumerate(zip(got["outputs"], want)):
         assert_same_generation(g, w, f"text prompt {i}")
     assert got["probe"] == [{"visual.__class__.__name__": "NoneType"}]
