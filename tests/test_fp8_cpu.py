@@ -245,8 +245,11 @@ def _vary_block_scales(path, seed=0):
 
 @pytest.mark.engine
 def test_fp8_weights_of_several_ragged_blocks_match_the_dequantized_reference(tiny_ckpt, tmp_path):
+    """Also the flat checkpoint layout (``model.layers.*``, ``Glm5NextForCausalLM``): its loader path and the
+    transformers class that serves it."""
     path = tmp_path / "fp8-ragged"
-    shutil.copytree(tiny_ckpt("fp8-ragged", fp8=True, overrides=RAGGED, seed=3), path)
+    shutil.copytree(tiny_ckpt("fp8-ragged", fp8=True, overrides=RAGGED, seed=3, layout="flat"), path)
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["Glm5NextForCausalLM"]
     _vary_block_scales(path)
     tensors = load_file(str(path / "model.safetensors"))
     grids = {tuple(t.shape) for n, t in tensors.items() if n.endswith(".weight_scale_inv")}

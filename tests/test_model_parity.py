@@ -4,7 +4,8 @@ The prompts range from 3 tokens to many times ``index_topk`` (8 in the tiny conf
 selection really drops positions. The mixed batch below (``LENGTHS``, run with ``max_num_seqs=3`` so that steps mix
 prefills of new prompts with decodes of running ones) is served on the nested (released) layout by
 tests/test_vision_engine.py's zero-limits run and with the reference ops by tests/test_ops_reference_engine.py;
-this module covers the flat layout, the released layer schedule and bfloat16.
+this module covers the released layer schedule and bfloat16 (the flat layout: tests/test_fp8_cpu.py's ragged FP8
+run).
 """
 
 import pytest
@@ -28,14 +29,6 @@ def assert_parity(got, want, atol=LOGPROB_ATOL):
         assert len(g["logprobs"]) == len(w["logprobs"]) == len(w["token_ids"]), f"prompt {i}: logprob counts"
         diffs = [abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"])]
         assert max(diffs) < atol, f"prompt {i}: logprob differences {diffs}"
-
-
-def test_flat_checkpoint_matches_transformers(tiny_ckpt):
-    path = tiny_ckpt("flat", layout="flat", seed=1)
-    prompts = prompt_set(path, LENGTHS[::2])
-    want = hf_greedy(hf_model(path), prompts, 12)
-    got = run_engine(path, prompts, 12, logprobs=1)
-    assert_parity(got, want)
 
 
 def test_released_layer_pattern_matches_transformers(tiny_ckpt):
