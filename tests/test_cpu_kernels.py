@@ -577,7 +577,7 @@ def test_routed_experts_match_transformers_experts(T):
     """The backend entry point (the kernel for the small batch, the torch loop for the large one) against
     transformers' Glm5NextTextExperts with the same weights and routing."""
     hf = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
-    assert (T * 2 > moe.KERNEL_MAX_PAIRS_PER_EXPERT[torch.float32] * MOE_E) == (T > 3)
+    assert (T * 2 > moe.kernel_max_pairs(torch.float32) * MOE_E) == (T > 3)
     x, w13, w2, ids, weights = _moe_inputs(T, 2, torch.float32, seed=53)
     x = x.contiguous()
     config = hf.Glm5NextTextConfig(hidden_size=MOE_D, moe_intermediate_size=MOE_I, n_routed_experts=MOE_E,
@@ -589,3 +589,16 @@ def test_routed_experts_match_transformers_experts(T):
         want = experts(x, ids, weights)
     # measured (ulps of max|reference|, avx2 / portable): 2.2 / 1.9
     _close(moe.routed_experts(x, w13, w2, ids, weights, SWIGLU_LIMIT), want, ulps=10)
+
+
+def test_large_bf16_batches_take_the_kernel_unless_the_cpu_multiplies_bf16(monkeypatch):
+    """torch's bfloat16 GEMMs beat the kernel on large batches only where the CPU has bf16 dot products; elsewhere
+    (every AVX2-only CPU) they convert inside and the kernel keeps every batch. float32 does not depend on it."""
+    bf16 = _moe_inputs(600, 2, torch.bfloat16, seed=54)  # 150 pairs per expert
+    f32 = _moe_inputs(600, 2, torch.float32, seed=54)
+    for native in (False, True):
+        monkeypatch.setattr(moe, "_native_bf16", lambda: native)
+        reason = moe._experts_check(*bf16, SWIGLU_LIMIT)
+        assert (reason is None) == (not native), (native, reason)
+        assert "torch's GEMMs are faster" in moe._experts_check(*f32, SWIGLU_LIMIT)
+        assert moe._experts_check(*_moe_inputs(3, 2, torch.bfloat16, seed=55), SWIGLU_LIMIT) is None

@@ -4,11 +4,14 @@
 (:mod:`vllm_glm53.backends.cpu.kernels`): with a few tokens per expert the work is bound by reading each used
 expert's weights once, and the per-expert torch loop pays, per expert, a gather, two small GEMMs (each an
 OpenMP fork/join), the activation and a scatter-add on top of that. With many tokens per expert the work is
-compute-bound and torch's GEMMs are as fast (float32) or faster (bfloat16), so larger batches keep the torch loop.
+compute-bound and torch's GEMMs are as fast (float32) or faster (bfloat16 on CPUs that multiply it natively), so
+larger batches keep the torch loop there.
 :func:`routed_experts_torch` is that loop, the reference the kernel is tested against.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -18,11 +21,26 @@ from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
 
 __all__ = ["clamped_swiglu", "group_by_expert", "routed_experts"]
 
-# Mean (token, choice) pairs per expert up to which the kernel is used, by weight dtype. Measured on 2 threads
-# (E = 8, D = 512, I = 256, k = 2, cold weights): in float32 the kernel runs at about the FMA rate of torch's
-# GEMMs and is ahead up to ~256 pairs per expert (float16, which torch computes slowly on CPUs, further); torch's
-# bfloat16 GEMMs use the CPU's bf16 dot products and overtake it from ~32.
-KERNEL_MAX_PAIRS_PER_EXPERT = {torch.float32: 128, torch.float16: 128, torch.bfloat16: 16}
+@functools.cache
+def _native_bf16() -> bool:
+    """Whether the CPU multiplies bfloat16 natively (AVX512_BF16 dot products or AMX tiles)."""
+    from vllm_glm53.backends.cpu.build import cpu_flags
+
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def kernel_max_pairs(dtype: torch.dtype) -> int | None:
+    """Mean (token, choice) pairs per expert up to which the kernel takes weights of ``dtype`` (None: always).
+
+    Measured on 2 threads: in float32 the kernel runs at about the FMA rate of torch's GEMMs and is ahead up to
+    ~256 pairs per expert (E = 8, D = 512, I = 256, k = 2, cold weights; float16, which torch computes slowly on
+    CPUs, further). torch's bfloat16 GEMMs use the CPU's bf16 dot products where it has them and overtake the
+    kernel from ~32 pairs (AVX-512 machine with AVX512_BF16); without them (every AVX2-only CPU) they convert
+    inside and stay 3.3x slower than the kernel even at 256 pairs per expert (E = 64, D = 512, I = 256, k = 8:
+    967 vs 296 ms for 2,048 tokens)."""
+    if dtype == torch.bfloat16:
+        return 16 if _native_bf16() else None
+    return 128 if dtype in (torch.float32, torch.float16) else None
 
 
 routed_experts = Op("routed_experts")
@@ -32,9 +50,9 @@ _expert_tensors = compiled_kernels_check(lambda x, w13, w2, ids, weights, swiglu
 def _experts_check(x, w13, w2, ids, weights, swiglu_limit):
     if w13.dtype != w2.dtype:
         return f"needs one weight dtype, got {w13.dtype} and {w2.dtype}"
-    if w13.dtype in KERNEL_MAX_PAIRS_PER_EXPERT and ids.numel() > KERNEL_MAX_PAIRS_PER_EXPERT[w13.dtype] * w13.shape[0]:
-        return (f"more than {KERNEL_MAX_PAIRS_PER_EXPERT[w13.dtype]} (token, expert) pairs per expert "
-                f"in {w13.dtype}: torch's GEMMs are faster there")
+    limit = kernel_max_pairs(w13.dtype)
+    if limit is not None and ids.numel() > limit * w13.shape[0]:
+        return f"more than {limit} (token, expert) pairs per expert in {w13.dtype}: torch's GEMMs are faster there"
     return _expert_tensors(x, w13, w2, ids, weights, swiglu_limit)
 
 
