@@ -474,8 +474,7 @@ class _StateBlocks:
         """Every state of request ``row``: the slot in its block column ``src_col`` into the one in ``dst_col``."""
         import ctypes
 
-        for s, (base, stride, size, group) in enumerate(zip(self.bases, self.block_strides, self.sizes,
-                                                            self.groups)):
+        for base, stride, size, group in zip(self.bases, self.block_strides, self.sizes, self.groups):
             src, dst = self.block(group, row, src_col), self.block(group, row, dst_col)
             if src != dst:
                 ctypes.memmove(base + dst * stride, base + src * stride, size)
