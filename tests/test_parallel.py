@@ -1,5 +1,5 @@
-"""Beyond one process group: pipeline parallel over Ray across two nodes and expert parallel for the plugin's
-model, each against transformers on the same float32 checkpoint: a batch of prompts from 3 to 190
+"""Beyond one process group: pipeline parallel over Ray across two nodes (with MTP drafts) and expert parallel
+for the plugin's model, each against transformers on the same float32 checkpoint: a batch of prompts from 3 to 190
 tokens (index_topk is 8, so sparse selection drops positions), ``max_num_seqs`` 3 so that steps mix prefills with
 decodes, every generated token's logprob compared. Pipeline parallel under vLLM's own process executor, with the
 indexer's selection crossing the stage boundary and images on the first stage, runs in tests/test_vision_engine.py.
@@ -7,10 +7,13 @@ indexer's selection crossing the stage boundary and images on the first stage, r
 Engine starts dominate the cost (about a minute each on 2 idle cores), so each scenario is one engine.
 """
 
+import shutil
+
 import pytest
 
 from conftest import greedy_reference, hf_greedy, hf_model, probe, prompt_set, run_engine
 from test_model_parity import assert_parity
+from vllm_glm53.tiny import make_exact_mtp
 
 pytestmark = pytest.mark.engine
 
@@ -55,22 +58,38 @@ def two_node_ray_cluster():
         cluster.shutdown()
 
 
-def test_pipeline_parallel_2_over_ray_on_two_nodes_with_prefix_caching_matches_transformers(reference,
-                                                                                           two_node_ray_cluster):
+@pytest.fixture(scope="module")
+def drafting(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint with an MTP layer that drafts mostly right (``make_exact_mtp(keep=0.02)``: the main
+    model still reads its context, a little), and transformers' greedy outputs on it: steps accept any number of
+    drafts, so verification both keeps and rolls back KDA state on both stages."""
+    path = tmp_path_factory.mktemp("drafting") / "tiny-drafting"
+    shutil.copytree(tiny_ckpt("default"), path)
+    make_exact_mtp(path, keep=0.02)
+    return greedy_reference(path, LENGTHS, MAX_TOKENS)
+
+
+def test_pipeline_parallel_2_over_ray_on_two_nodes_with_mtp_and_prefix_caching_matches_transformers(
+        drafting, two_node_ray_cluster):
     """PP 2 over Ray, one stage per node, split 2 | 3 so both stages hold KDA layers and vLLM's prefix caching (its
-    default: KDA state snapshots at block edges) runs on both; then a 3-turn conversation (each turn's prompt = the
-    previous prompt + reply + a new message) reuses the earlier turns' blocks, every turn equal to transformers."""
-    path, prompts, want = reference
+    default: KDA state snapshots at block edges) runs on both, with MTP drafts (the draft layer on the last stage;
+    steps run one at a time, adapter ledger 10); then a 3-turn conversation (each turn's prompt = the previous
+    prompt + reply + a new message) reuses the earlier turns' blocks, every turn equal to transformers."""
+    path, prompts, want = drafting
     turns = prompt_set(path, CONVERSATION_TURNS)
-    got, sizes, conversation = run_engine(
-        path, prompts, MAX_TOKENS, logprobs=1, probe=probe("parameter_bytes"),
+    got, sizes, conversation, metrics = run_engine(
+        path, prompts, MAX_TOKENS, logprobs=1, probe=probe("parameter_bytes"), metrics=True,
         conversation={"turns": turns, "max_tokens": CONVERSATION_REPLY},
-        engine={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray", "max_num_seqs": 3},
+        engine={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray", "max_num_seqs": 3,
+                "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
         env={"RAY_ADDRESS": two_node_ray_cluster.address, "OMP_NUM_THREADS": "1", "VLLM_PP_LAYER_PARTITION": "2,3"})
     assert_parity(got, want)
     assert [s["layers"] for s in sizes] == [[0, 1], [2, 3, 4]]
     nodes = [s["ray_node"] for s in sizes]
     assert None not in nodes and len(set(nodes)) == 2, f"stages ran on Ray nodes {nodes}"
+    acceptance = metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_draft_tokens"]
+    print(f"PP 2 over Ray with MTP: acceptance {acceptance:.2f}")
+    assert 0.2 < acceptance < 0.95  # drafts partly accepted: some steps keep every draft, some roll back
     model = hf_model(path)
     assert_parity(conversation, hf_greedy(model, [t["prompt_token_ids"] for t in conversation], CONVERSATION_REPLY))
     for i, turn in enumerate(conversation[1:], start=1):

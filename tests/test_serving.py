@@ -240,26 +240,26 @@ def test_the_plugins_model_refuses_at_start_up_what_it_would_ignore(engine_confi
     assert len(from_command_line) == 1 and from_command_line[0] in str(err.value)
 
 
-def test_pipeline_and_expert_parallel_are_served_but_not_with_speculation(engine_config):
-    """vLLM accepts PP for the plugin's model by its interface (SupportsPP) and the model accepts PP and EP; PP with
-    a speculative config is refused by the model at start-up and by the builder, with the same words."""
-    from vllm.config import set_current_vllm_config
-
-    from vllm_glm53.model import Glm5NextForConditionalGeneration
+def test_pipeline_and_expert_parallel_are_served_with_speculation_one_step_at_a_time(engine_config):
+    """vLLM accepts PP for the plugin's model by its interface (SupportsPP) and the model accepts PP, EP and PP with
+    MTP drafts; for the last, the config hook (adapter ledger 10) keeps one step in flight, since vLLM 0.32's V1
+    runner cannot pipeline drafts; a PP config without drafts keeps vLLM's PP-deep batch queue. The builder agrees."""
     from vllm_glm53.model.model import check_serve_options
     from vllm_glm53.recipes import serve_options
 
-    check_serve_options(engine_config(pipeline_parallel_size=2, enable_prefix_caching=False))
+    pp = engine_config(pipeline_parallel_size=2, enable_prefix_caching=False)  # tiny split 3|2: stage 1 has no KDA
+    check_serve_options(pp)
     check_serve_options(engine_config(tensor_parallel_size=2, enable_expert_parallel=True))
-    config = engine_config(pipeline_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    drafts = engine_config(pipeline_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
                            enable_prefix_caching=False)
-    with set_current_vllm_config(config), pytest.raises(ValueError, match="cannot serve this configuration") as err:
-        Glm5NextForConditionalGeneration(vllm_config=config)
-    assert "--pipeline-parallel-size 2" in str(err.value) and "--speculative-config method mtp" in str(err.value)
-    argv = ["--pipeline-parallel-size", "2", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}',
-            "--no-enable-prefix-caching"]
-    from_command_line = serving.refusals(serving.PLUGIN_MODEL, serve_options(argv, "bf16"))
-    assert len(from_command_line) == 1 and from_command_line[0] in str(err.value)
+    check_serve_options(drafts)
+    assert (pp.max_concurrent_batches, drafts.max_concurrent_batches) == (2, 1)
+    argv = ["--pipeline-parallel-size", "2", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']
+    assert serving.refusals(serving.PLUGIN_MODEL, serve_options(argv, "bf16", "cpu")) == []
+    # elsewhere the plugin's model would run on a runner it has not been made to work with: refused, naming both flags
+    (refused,) = serving.refusals(serving.PLUGIN_MODEL, serve_options(argv, "bf16", "cuda"))
+    assert "--speculative-config method mtp with --pipeline-parallel-size 2" in refused
+    assert serving.refusals(serving.VLLM_MODEL, serve_options(argv, "bf16", "cuda")) == []
 
 
 def test_default_options_are_served(engine_config):

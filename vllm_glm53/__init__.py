@@ -56,6 +56,9 @@ def _check_engine_config(vllm_config) -> None:
     problems = serving.state_refusals(_vllm.serve_options(vllm_config))
     if problems:
         raise ValueError("vllm-glm53: " + "; ".join(problems))
+    if _vllm.serial_pipeline_steps(vllm_config):
+        logger.info("vllm-glm53: drafts with pipeline parallel: one step in flight at a time (vLLM 0.32's V1 "
+                    "runner cannot pipeline drafts; the stages do not overlap)")
     if _vllm.cpu_ray_executor(vllm_config):
         logger.info("vllm-glm53: Ray on CPU: each Ray node offers its ranks as the resource %r (ray start "
                     "--resources '{\"%s\": N}')", _vllm.CPU_RAY_RESOURCE, _vllm.CPU_RAY_RESOURCE)
@@ -89,6 +92,8 @@ def register() -> list[str]:
             done.append("text arch " + "/".join(TEXT_ARCH_MODEL_TYPES))
         if _vllm.register_config_hook(tuple(MODELS), _check_engine_config):
             done.append("config hook " + "/".join(MODELS))
+        if _vllm.install_serial_pipeline_steps():
+            done.append("serial pipeline steps for drafts")
     for mode, target in TOKENIZER_MODES.items():
         _vllm.register_tokenizer_mode(mode, *target)
         done.append(f"tokenizer-mode {mode}")

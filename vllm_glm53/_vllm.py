@@ -75,6 +75,25 @@ Each entry: why, how, and the upstream change that would retire it.
    ``get_temporal_copy_spec`` for both its states (:func:`kda_state_copy_funcs`), since it keeps the conv window
    whole in every draft slot as it does the recurrent state (vLLM's shifted conv window is not used). Retire: the
    CPU platform registering stand-ins for these kernels.
+10. Speculative decoding with pipeline parallel on CPU (:func:`serial_pipeline_steps`, :func:`cpu_pp_speculation`),
+   with the plugin's model only: its config hook (entry 6) marks the config when ``--pipeline-parallel-size`` > 1
+   and ``--speculative-config`` are both set (``register()`` installs the reader in every process), and the model
+   installs the worker half when it is built on a CPU worker. Why: vLLM 0.32 runs CPU workers on its V1 model
+   runner, which supports neither. (a) The engine keeps PP-size steps in flight (``VllmConfig.max_concurrent_batches``,
+   the engine core's batch queue) and takes drafts from the last stage after scheduling the next step, so steps in
+   flight got drafts of other steps: wrong tokens, or a 1-token step carrying 2 draft ids and the last stage failing
+   on ``hidden_states[logits_indices]``. (b) The runner builds its drafter on the last stage only, yet asserts one
+   on every stage (``initialize_kv_cache``, ``_dummy_run``, the attention-metadata builder). (c) Only the last stage
+   samples, so only it updates the per-request count of kept tokens (``_update_states_after_model_execute``) that
+   the hybrid layers of every stage read: the state to continue from is in the draft slot of the last accepted
+   token, and align-mode prefix caching snapshots the slot at a block edge; the other stages continued from slot 0
+   (wrong outputs after any partly accepted step). How: (a) a marked config's ``max_concurrent_batches`` is 1, so
+   the engine core schedules, runs, samples and takes the drafts of one step before it schedules the next (the
+   stages no longer overlap; every other config reads vLLM's own value). (b) A stage other than the last gets
+   :class:`_StageWithoutDrafter`, an ``EagleProposer`` whose set-up calls do nothing (it never proposes). (c) After
+   each ``sample_tokens`` (which every rank runs), the last stage broadcasts the kept counts over the pipeline group
+   and the other stages run vLLM's own after-sampling update with them (same batch rows on every stage). Retire:
+   the V1 runner and scheduler supporting drafts with PP (vLLM's V2 model runner does, on GPUs).
 """
 
 from __future__ import annotations
@@ -409,6 +428,142 @@ def cpu_pp_receive_buffer(vllm_config) -> bool:
     CPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
     CPUModelRunner._glm53_receive_buffer = True
     return True
+
+
+SERIAL_PP_STEPS = "vllm_glm53_serial_pipeline_steps"  # the additional_config key ledger 10 (a) reads
+
+
+def serial_pipeline_steps(vllm_config) -> bool:
+    """Ledger 10 (a), engine side, from the plugin's config hook: mark a config with PP and drafts so that the
+    engine keeps one step in flight. Returns whether it did."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size <= 1 or getattr(vllm_config, "speculative_config", None) is None:
+        return False
+    if not isinstance(vllm_config.additional_config, dict):
+        raise ValueError("vllm-glm53: --speculative-config with --pipeline-parallel-size needs additional_config "
+                         "to be a dict")
+    vllm_config.additional_config[SERIAL_PP_STEPS] = True
+    return True
+
+
+def install_serial_pipeline_steps() -> bool:
+    """Ledger 10 (a), in every process (``register()``): a config marked by :func:`serial_pipeline_steps` keeps
+    one batch in flight; any other reads vLLM's own ``max_concurrent_batches``. Idempotent."""
+    try:
+        from vllm.config import VllmConfig
+    except ImportError:
+        return False
+    prop = getattr(VllmConfig, "max_concurrent_batches", None)
+    if not isinstance(prop, property):
+        return False
+    if getattr(prop.fget, "_glm53_serial", False):
+        return True
+    vllm_value = prop.fget
+
+    def max_concurrent_batches(self) -> int:
+        extra = self.additional_config
+        if isinstance(extra, dict) and extra.get(SERIAL_PP_STEPS):
+            return 1
+        return vllm_value(self)
+
+    max_concurrent_batches._glm53_serial = True
+    VllmConfig.max_concurrent_batches = property(max_concurrent_batches, doc=prop.__doc__)
+    return True
+
+
+def cpu_pp_speculation(vllm_config) -> bool:
+    """Ledger 10 (b) and (c), worker side: on a CPU worker serving with pipeline parallel and drafts, a stage other
+    than the last gets a drafter that only answers the runner's set-up calls, and after every sampling step the
+    last stage hands every stage the number of tokens each request accepted. Returns whether this is in place.
+    Idempotent."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if vllm_config.parallel_config.pipeline_parallel_size <= 1 or spec is None or not is_cpu_platform():
+        return False
+    if not spec.use_eagle():
+        return False  # ngram/suffix drafters keep vLLM's handling
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner, "_glm53_pp_speculation", False):
+        return True
+    import torch
+
+    from vllm.distributed import get_pp_group
+
+    initialize_kv_cache = CPUModelRunner.initialize_kv_cache
+    execute_model = CPUModelRunner.execute_model
+    sample_tokens = CPUModelRunner.sample_tokens
+    after_sampling = CPUModelRunner._update_states_after_model_execute
+
+    def initialize_kv_cache_(self, *args, **kwargs):
+        if self.speculative_config is not None and not hasattr(self, "drafter"):
+            self.drafter = _stage_without_drafter()
+        return initialize_kv_cache(self, *args, **kwargs)
+
+    def execute_model_(self, scheduler_output, *args, **kwargs):
+        self._glm53_scheduler_output = scheduler_output
+        return execute_model(self, scheduler_output, *args, **kwargs)
+
+    def after_sampling_(self, output_token_ids, scheduler_output):
+        # tokens kept per request (accepted drafts + the sampled one), as vLLM counts them
+        self._glm53_accepted = (output_token_ids != -1).sum(dim=1).to(torch.int32)
+        return after_sampling(self, output_token_ids, scheduler_output)
+
+    def sample_tokens_(self, *args, **kwargs):
+        # (c) Only the last stage samples, so only it learns how many drafts each request kept; the KDA layers of
+        # every stage need that count (the state to continue from is in the accepted token's draft slot, and
+        # prefix caching snapshots the slot at a block edge). Steps run one at a time (a), so the count is sent
+        # over the pipeline group after each sampling step (every rank runs this call) and the other stages apply
+        # vLLM's own after-sampling update with it, on the same batch rows.
+        sampled = self.execute_model_state is not None
+        out = sample_tokens(self, *args, **kwargs)
+        pp = get_pp_group()
+        counts = torch.zeros(self.max_num_reqs + 1, dtype=torch.int32)
+        if pp.is_last_rank and sampled:
+            accepted = self._glm53_accepted
+            counts[0] = accepted.numel()
+            counts[1:accepted.numel() + 1] = accepted
+        counts = pp.broadcast(counts, src=pp.world_size - 1)
+        num_reqs = int(counts[0])
+        if not pp.is_last_rank and num_reqs:
+            slots = torch.arange(self.num_spec_tokens + 1, dtype=torch.int32)
+            kept = torch.where(slots[None, :] < counts[1:num_reqs + 1, None], 0, -1)
+            after_sampling_(self, kept, self._glm53_scheduler_output)
+        return out
+
+    CPUModelRunner.initialize_kv_cache = initialize_kv_cache_
+    CPUModelRunner.execute_model = execute_model_
+    CPUModelRunner.sample_tokens = sample_tokens_
+    CPUModelRunner._update_states_after_model_execute = after_sampling_
+    CPUModelRunner._glm53_pp_speculation = True
+    return True
+
+
+def _stage_without_drafter():
+    """Ledger 10 (b): an ``EagleProposer`` (the runner checks the type) for a pipeline stage without the draft
+    layer. Only the set-up calls the V1 runner makes on every stage are answered; proposing is the last stage's."""
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    class _StageWithoutDrafter(EagleProposer):
+        def __init__(self) -> None:  # noqa: D107 (no EagleProposer state: nothing here drafts)
+            self.kv_cache_gid = 0
+
+        def load_model(self, *args, **kwargs) -> None:
+            pass
+
+        def initialize_attn_backend(self, *args, **kwargs) -> None:
+            pass
+
+        def initialize_cudagraph_keys(self, *args, **kwargs) -> None:
+            pass
+
+        def dummy_run(self, *args, **kwargs) -> None:
+            pass
+
+        def propose(self, *args, **kwargs):
+            raise RuntimeError("vllm-glm53: a pipeline stage without the draft layer was asked for drafts")
+
+    _StageWithoutDrafter.__module__ = __name__
+    return _StageWithoutDrafter()
 
 
 def kda_state_copy_funcs() -> tuple:

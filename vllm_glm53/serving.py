@@ -113,9 +113,9 @@ class ModelCapabilities:
     # EP only over the tensor-parallel ranks (no data parallel) and only for experts kept unquantized, which on CPU
     # includes FP8 checkpoints (dequantized at load); quantized expert kernels keep every expert
     expert_parallel_tp_only: bool
-    # speculative decoding together with pipeline parallel: vLLM 0.32's V1 scheduler and runner (the path on CPU)
-    # mis-schedule drafts with PP's batch queue (a step of 1 token carrying 2 draft ids), for any model
-    pp_with_speculation: bool
+    # platforms where speculative decoding combines with pipeline parallel (None: all). The plugin's model makes up
+    # for what vLLM 0.32's V1 runner lacks there on CPU workers only (adapter ledger 10); untested elsewhere
+    pp_with_speculation_platforms: frozenset[str] | None
 
 
 # Speculative methods that need an interface of the target model (vLLM checks it when the drafter loads).
@@ -130,7 +130,7 @@ PLUGIN_MODEL = ModelCapabilities(
     expert_parallel=True,  # over the TP ranks, unquantized/dequantized experts (model/moe.py)
     eplb=False,
     expert_parallel_tp_only=True,
-    pp_with_speculation=False,
+    pp_with_speculation_platforms=frozenset({"cpu"}),
 )
 
 VLLM_MODEL = ModelCapabilities(
@@ -143,7 +143,7 @@ VLLM_MODEL = ModelCapabilities(
     expert_parallel=True,
     eplb=True,
     expert_parallel_tp_only=False,
-    pp_with_speculation=True,
+    pp_with_speculation_platforms=None,
 )
 
 
@@ -172,12 +172,13 @@ def refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
     if need and need not in model.interfaces:
         out.append(f"--speculative-config method {options.speculative_method}: the drafter needs {need} (the "
                    f"target's auxiliary hidden states), which {who} does not provide; use method mtp")
-    if (options.pipeline_parallel_size > 1 and options.speculative_method and not model.pp_with_speculation
-            and "SupportsPP" in model.interfaces):
+    where = model.pp_with_speculation_platforms
+    if (options.pipeline_parallel_size > 1 and options.speculative_method and where is not None
+            and options.platform is not None and options.platform not in where):
         out.append(f"--speculative-config method {options.speculative_method} with --pipeline-parallel-size "
-                   f"{options.pipeline_parallel_size}: {who} runs on vLLM's V1 model runner, whose scheduler hands a "
-                   "pipeline of steps drafts that do not match their scheduled tokens (vLLM 0.32); use one or the "
-                   "other")
+                   f"{options.pipeline_parallel_size}: {who} pipelines drafts on {', '.join(sorted(where))} workers "
+                   f"only (vLLM 0.32's V1 model runner cannot, and the plugin makes up for it there); use one or "
+                   "the other")
     if options.expert_parallel and not model.expert_parallel:
         out.append(f"--enable-expert-parallel: {who} does not partition experts across ranks (every rank would keep "
                    "a tensor-parallel slice of every expert)")

@@ -180,6 +180,7 @@ class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
         check_serve_options(vllm_config)
         _vllm.cpu_pp_receive_buffer(vllm_config)
         _vllm.cpu_align_spec_copies(vllm_config)
+        _vllm.cpu_pp_speculation(vllm_config)
         hf_config = vllm_config.model_config.hf_config
         self.arch = text_arch(hf_config)
         self.model_dtype = vllm_config.model_config.dtype

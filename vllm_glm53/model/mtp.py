@@ -10,7 +10,10 @@ It is one plain pre-norm decoder block (no mHC) at checkpoint index ``num_hidden
 MLA, indexer and latent cache. msmodelslim w8a8 checkpoints made with QuaRot (``is_rot_used``) also carry
 ``rot.weight``, applied to ``h_prev`` like a linear layer before anything else (ascend.md §5).
 Its embedding and LM head are the target model's: vLLM's MTP proposer installs
-them after loading (``model.embed_tokens``, ``lm_head``), so this module creates neither. Every draft step
+them after loading (``model.embed_tokens``, ``lm_head``), so this module creates neither, except the embedding
+under pipeline parallel: the layer lives on the last stage and the target's embedding on the first, so vLLM lends
+none and the layer loads the target's embedding rows itself (``model.embed_tokens.*``, not the layer's own copy:
+the draft must embed exactly as the target does). Every draft step
 runs the layer's own indexer (exact; vLLM's in-tree version reuses the first step's selection).
 """
 
@@ -22,7 +25,7 @@ import torch
 from torch import nn
 
 from vllm_glm53 import _vllm
-from vllm_glm53._vllm import LogitsProcessor, ReplicatedLinear
+from vllm_glm53._vllm import LogitsProcessor, ReplicatedLinear, VocabParallelEmbedding
 from vllm_glm53.config import TextArch, text_arch
 from vllm_glm53.model.mla import Glm5NextSparseMLA
 from vllm_glm53.model.moe import Glm5NextMLP, Glm5NextMoE
@@ -69,6 +72,11 @@ class Glm5NextMTPModel(nn.Module):
         self.model.layers = nn.ModuleList(
             [Glm5NextMTPLayer(self.arch, vllm_config.model_config.dtype, prefix=f"model.layers.{self.arch.num_layers}")]
         )
+        _, stages, _, _ = _vllm.pipeline_stage(self.arch.num_layers)
+        self.own_embedding = stages > 1  # vLLM shares the target's embedding only without pipeline parallel
+        if self.own_embedding:
+            self.model.embed_tokens = VocabParallelEmbedding(self.arch.vocab_size, self.arch.hidden_size,
+                                                             prefix="model.embed_tokens")
         # QuaRot leaves the target's final norm weightless (its weight folded into lm_head) and the MTP layer in
         # a rotated basis: ``rot.weight`` maps the hidden state the target hands over to the one the layer needs.
         description = _vllm.read_model_json(vllm_config.model_config, w8a8.DESCRIPTION_FILE)
@@ -102,11 +110,13 @@ class Glm5NextMTPModel(nn.Module):
             # ``rot.weight`` (w8a8 QuaRot) is this module's too: a checkpoint that has it without declaring
             # ``is_rot_used`` fails as an unexpected tensor, one that declares it without it as a missing one.
             mine = name.startswith(f"model.layers.{n}.") or name == w8a8.MTP_ROTATION
+            if self.own_embedding and name.startswith("model.embed_tokens."):
+                return False
             return not mine or name.startswith(shared_copies)
 
         loader = WeightLoader(self, num_layers=1, layer_offset=n, skip=other)
         loaded = loader.load(weights)
-        if not loaded:
+        if not any(name.startswith("model.layers.") for name in loaded):
             raise CheckpointError(f"the checkpoint has no MTP layer (no tensors under layers.{n}.); "
                                   "run without --speculative-config")
         loader.check_complete()
