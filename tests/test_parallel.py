@@ -43,14 +43,17 @@ def test_tensor_parallel_2_with_expert_parallel_matches_transformers(reference):
 def two_node_ray_cluster():
     """A Ray cluster of two nodes on this machine (Ray's own local-cluster utility: a head and a second raylet),
     each offering one CPU rank (``vllm_cpu_rank``, ledger 8 in vllm_glm53/_vllm.py), so PP 2 must place one stage
-    on each node."""
+    on each node; each node's environment binds its rank to its own core, as the recipe does per server."""
     pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
     from vllm_glm53._vllm import CPU_RAY_RESOURCE
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {CPU_RAY_RESOURCE: 1}})
-    cluster.add_node(num_cpus=1, resources={CPU_RAY_RESOURCE: 1})
+    def node(core: int) -> dict:
+        return {"num_cpus": 1, "resources": {CPU_RAY_RESOURCE: 1}, "env_vars": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}}
+
+    cluster = Cluster(initialize_head=True, head_node_args=node(0))
+    cluster.add_node(**node(1))
     cluster.wait_for_nodes()
     try:
         yield cluster
@@ -82,11 +85,16 @@ def test_pipeline_parallel_2_over_ray_on_two_nodes_with_mtp_and_prefix_caching_m
         conversation={"turns": turns, "max_tokens": CONVERSATION_REPLY},
         engine={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray", "max_num_seqs": 3,
                 "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
-        env={"RAY_ADDRESS": two_node_ray_cluster.address, "OMP_NUM_THREADS": "1", "VLLM_PP_LAYER_PARTITION": "2,3"})
+        env={"RAY_ADDRESS": two_node_ray_cluster.address, "VLLM_PP_LAYER_PARTITION": "2,3"})
     assert_parity(got, want)
     assert [s["layers"] for s in sizes] == [[0, 1], [2, 3, 4]]
     nodes = [s["ray_node"] for s in sizes]
     assert None not in nodes and len(set(nodes)) == 2, f"stages ran on Ray nodes {nodes}"
+    # each rank bound to its node's core: the main thread's mask, one compute thread, every thread started since
+    binding = {s["ray_node"]: s["cpu_binding"] for s in sizes}
+    assert binding[two_node_ray_cluster.head_node.node_id]["cpus"] == [0], binding
+    assert sorted(b["cpus"] for b in binding.values()) == [[0], [1]], binding
+    assert all(b["mask"] == b["cpus"] and b["threads"] == 1 and b["loose_threads"] == 0 for b in binding.values())
     acceptance = metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_draft_tokens"]
     print(f"PP 2 over Ray with MTP: acceptance {acceptance:.2f}")
     assert 0.2 < acceptance < 0.95  # drafts partly accepted: some steps keep every draft, some roll back

@@ -368,11 +368,71 @@ def cpu_ray_setup() -> None:
         type(current_platform).ray_device_key = CPU_RAY_RESOURCE
     proc = ray_executor_v2.RayWorkerProc
     if not getattr(proc, "_glm53_cpu", False):
+        initialize_worker = proc.initialize_worker
+
         def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
             return ray.get_runtime_context().get_node_id(), []  # a CPU rank has no device ids
 
+        def initialize_worker_(self, local_rank, *args, **kwargs):
+            bind_cpu_rank(local_rank)  # before the worker starts its OpenMP threads
+            return initialize_worker(self, local_rank, *args, **kwargs)
+
         proc.get_node_and_physical_gpu_ids = get_node_and_physical_gpu_ids
+        proc.initialize_worker = initialize_worker_
         proc._glm53_cpu = True
+
+
+_BINDING: dict = {}  # what bind_cpu_rank did in this process
+
+
+def bind_cpu_rank(local_rank: int) -> list[int] | None:
+    """Bind this Ray worker's threads to its share of the node's cores (ledger 8), as vLLM's process executor does
+    with ``VLLM_CPU_OMP_THREADS_BIND``: the node's value (set before ``ray start``; Ray workers inherit the raylet's
+    environment) lists one core range per rank on the node, ``|``-separated, and local rank ``r`` takes range
+    ``r``. The process's CPU mask is set before the worker's first parallel region, so the OpenMP threads it starts
+    inherit it, and the thread count is the range's size. Unset or ``auto``: no binding (Ray does not tell a worker
+    how many ranks share its node); returns the cores bound, or None."""
+    import os
+
+    import torch
+
+    spec = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if spec in ("", "auto", "nobind", "all"):
+        return None
+    ranges = spec.split("|")
+    if local_rank >= len(ranges):
+        raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={spec!r} lists {len(ranges)} core ranges, but this Ray node "
+                         f"runs local rank {local_rank}: give one range per rank on the node")
+    cpus = []
+    for part in ranges[local_rank].split(","):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    _BINDING.update(cpus=cpus, threads_before=set(os.listdir("/proc/self/task")))
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+    return cpus
+
+
+def cpu_rank_binding() -> dict | None:
+    """This process's binding by :func:`bind_cpu_rank` (for tests): the cores, the main thread's CPU mask, the
+    thread count, and how many threads started since are not confined to the cores."""
+    import os
+
+    import torch
+
+    if not _BINDING:
+        return None
+    cpus = set(_BINDING["cpus"])
+    new = set(os.listdir("/proc/self/task")) - _BINDING["threads_before"]
+    loose = []
+    for tid in new:
+        try:
+            if not os.sched_getaffinity(int(tid)) <= cpus:
+                loose.append(int(tid))
+        except OSError:  # the thread ended
+            pass
+    return {"cpus": sorted(cpus), "mask": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
+            "new_threads": len(new), "loose_threads": len(loose)}
 
 
 def _cpu_ray_executor_class():

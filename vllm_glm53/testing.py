@@ -186,7 +186,7 @@ def model_attributes(model, paths: list[str]) -> dict:
 def parameter_bytes(model) -> dict:
     """What one worker's model holds, an engine-run probe (tests/engine_runner.py): parameter bytes in all and of the routed experts, the decoder layers this
     rank built (pipeline parallel), the routed experts per MoE block (expert parallel) and, in a Ray worker, the
-    Ray node it runs on."""
+    Ray node it runs on and its core binding (``_vllm.cpu_rank_binding``)."""
     total = experts = 0
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
@@ -200,6 +200,9 @@ def parameter_bytes(model) -> dict:
 
     ray = sys.modules.get("ray")
     node = ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
+    from vllm_glm53 import _vllm
+
     return {"total": total, "experts": experts, "layers": built, "ray_node": node,
+            "cpu_binding": _vllm.cpu_rank_binding(),
             "experts_per_block": sorted({m.num_local for m in stacks}),
             "first_experts": sorted({m.first_expert for m in stacks})}
