@@ -42,18 +42,17 @@ def test_tensor_parallel_2_with_expert_parallel_matches_transformers(reference):
 @pytest.fixture(scope="module")
 def two_node_ray_cluster():
     """A Ray cluster of two nodes on this machine (Ray's own local-cluster utility: a head and a second raylet),
-    each offering one CPU rank (``vllm_cpu_rank``, ledger 8 in vllm_glm53/_vllm.py), so PP 2 must place one stage
-    on each node; each node's environment binds its rank to its own core, as the recipe does per server."""
+    each offering two CPU ranks (``vllm_cpu_rank``, ledger 8 in vllm_glm53/_vllm.py), so TP 2 x PP 2 places one
+    stage on each node; each node's environment binds its two ranks to one core each, as the two-node recipe binds
+    one rank per socket."""
     pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
     from vllm_glm53._vllm import CPU_RAY_RESOURCE
 
-    def node(core: int) -> dict:
-        return {"num_cpus": 1, "resources": {CPU_RAY_RESOURCE: 1}, "env_vars": {"VLLM_CPU_OMP_THREADS_BIND": str(core)}}
-
-    cluster = Cluster(initialize_head=True, head_node_args=node(0))
-    cluster.add_node(**node(1))
+    node = {"num_cpus": 2, "resources": {CPU_RAY_RESOURCE: 2}, "env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+    cluster = Cluster(initialize_head=True, head_node_args=node)
+    cluster.add_node(**node)
     cluster.wait_for_nodes()
     try:
         yield cluster
@@ -72,31 +71,34 @@ def drafting(tiny_ckpt, tmp_path_factory):
     return greedy_reference(path, LENGTHS, MAX_TOKENS)
 
 
-def test_pipeline_parallel_2_over_ray_on_two_nodes_with_mtp_and_prefix_caching_matches_transformers(
+def test_tensor_2_by_pipeline_2_over_ray_on_two_nodes_with_mtp_and_prefix_caching_matches_transformers(
         drafting, two_node_ray_cluster):
-    """PP 2 over Ray, one stage per node, split 2 | 3 so both stages hold KDA layers and vLLM's prefix caching (its
-    default: KDA state snapshots at block edges) runs on both, with MTP drafts (the draft layer on the last stage;
-    steps run one at a time, adapter ledger 10); then a 3-turn conversation (each turn's prompt = the previous
-    prompt + reply + a new message) reuses the earlier turns' blocks, every turn equal to transformers."""
+    """The two-node recipe's shape on two simulated nodes: PP 2 over Ray, one stage per node, TP 2 inside each node
+    with one rank per core range; split 2 | 3 so both stages hold KDA layers and vLLM's prefix caching (its default:
+    KDA state snapshots at block edges) runs on both; MTP drafts (the draft layer on the last stage; steps run one at
+    a time, adapter ledger 10); then a 3-turn conversation (each turn's prompt = the previous prompt + reply + a new
+    message) reuses the earlier turns' blocks, every turn equal to transformers."""
     path, prompts, want = drafting
     turns = prompt_set(path, CONVERSATION_TURNS)
-    got, sizes, conversation, metrics = run_engine(
+    got, ranks, conversation, metrics = run_engine(
         path, prompts, MAX_TOKENS, logprobs=1, probe=probe("parameter_bytes"), metrics=True,
         conversation={"turns": turns, "max_tokens": CONVERSATION_REPLY},
-        engine={"pipeline_parallel_size": 2, "distributed_executor_backend": "ray", "max_num_seqs": 3,
-                "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+        engine={"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "distributed_executor_backend": "ray",
+                "max_num_seqs": 3, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
         env={"RAY_ADDRESS": two_node_ray_cluster.address, "VLLM_PP_LAYER_PARTITION": "2,3"})
     assert_parity(got, want)
-    assert [s["layers"] for s in sizes] == [[0, 1], [2, 3, 4]]
-    nodes = [s["ray_node"] for s in sizes]
-    assert None not in nodes and len(set(nodes)) == 2, f"stages ran on Ray nodes {nodes}"
-    # each rank bound to its node's core: the main thread's mask, one compute thread, every thread started since
-    binding = {s["ray_node"]: s["cpu_binding"] for s in sizes}
-    assert binding[two_node_ray_cluster.head_node.node_id]["cpus"] == [0], binding
-    assert sorted(b["cpus"] for b in binding.values()) == [[0], [1]], binding
-    assert all(b["mask"] == b["cpus"] and b["threads"] == 1 and b["loose_threads"] == 0 for b in binding.values())
+    # ranks in TP-major order: stage 0's two ranks on one node, stage 1's on the other
+    assert [r["layers"] for r in ranks] == [[0, 1], [0, 1], [2, 3, 4], [2, 3, 4]]
+    nodes = [r["ray_node"] for r in ranks]
+    assert None not in nodes and nodes[0] == nodes[1] != nodes[2] == nodes[3], f"ranks ran on Ray nodes {nodes}"
+    # each node's two ranks bound to one core each: the main thread's mask, one compute thread, every thread started
+    # since inside the mask
+    for pair in (ranks[:2], ranks[2:]):
+        bound = [r["cpu_binding"] for r in pair]
+        assert sorted(b["cpus"] for b in bound) == [[0], [1]], bound
+        assert all(b["mask"] == b["cpus"] and b["threads"] == 1 and b["loose_threads"] == 0 for b in bound), bound
     acceptance = metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_draft_tokens"]
-    print(f"PP 2 over Ray with MTP: acceptance {acceptance:.2f}")
+    print(f"TP 2 x PP 2 over Ray with MTP: acceptance {acceptance:.2f}")
     assert 0.2 < acceptance < 0.95  # drafts partly accepted: some steps keep every draft, some roll back
     model = hf_model(path)
     assert_parity(conversation, hf_greedy(model, [t["prompt_token_ids"] for t in conversation], CONVERSATION_REPLY))
