@@ -260,6 +260,9 @@ def test_pipeline_and_expert_parallel_are_served_with_speculation_one_step_at_a_
     (refused,) = serving.refusals(serving.PLUGIN_MODEL, serve_options(argv, "bf16", "cuda"))
     assert "--speculative-config method mtp with --pipeline-parallel-size 2" in refused
     assert serving.refusals(serving.VLLM_MODEL, serve_options(argv, "bf16", "cuda")) == []
+    ngram = ["--pipeline-parallel-size", "2", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    (refused,) = serving.refusals(serving.PLUGIN_MODEL, serve_options(ngram, "bf16", "cpu"))
+    assert "--speculative-config method ngram with --pipeline-parallel-size 2" in refused
 
 
 def test_default_options_are_served(engine_config):

@@ -113,9 +113,9 @@ class ModelCapabilities:
     # EP only over the tensor-parallel ranks (no data parallel) and only for experts kept unquantized, which on CPU
     # includes FP8 checkpoints (dequantized at load); quantized expert kernels keep every expert
     expert_parallel_tp_only: bool
-    # platforms where speculative decoding combines with pipeline parallel (None: all). The plugin's model makes up
-    # for what vLLM 0.32's V1 runner lacks there on CPU workers only (adapter ledger 10); untested elsewhere
-    pp_with_speculation_platforms: frozenset[str] | None
+    # speculative decoding together with pipeline parallel, as (platforms, methods), None: any. The plugin's model
+    # makes up for what vLLM 0.32's V1 runner lacks there on CPU workers and for MTP only (adapter ledger 10)
+    pp_with_speculation: tuple[frozenset[str], frozenset[str]] | None
 
 
 # Speculative methods that need an interface of the target model (vLLM checks it when the drafter loads).
@@ -130,7 +130,7 @@ PLUGIN_MODEL = ModelCapabilities(
     expert_parallel=True,  # over the TP ranks, unquantized/dequantized experts (model/moe.py)
     eplb=False,
     expert_parallel_tp_only=True,
-    pp_with_speculation_platforms=frozenset({"cpu"}),
+    pp_with_speculation=(frozenset({"cpu"}), frozenset({"mtp", "deepseek_mtp"})),
 )
 
 VLLM_MODEL = ModelCapabilities(
@@ -143,7 +143,7 @@ VLLM_MODEL = ModelCapabilities(
     expert_parallel=True,
     eplb=True,
     expert_parallel_tp_only=False,
-    pp_with_speculation_platforms=None,
+    pp_with_speculation=None,
 )
 
 
@@ -172,13 +172,15 @@ def refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
     if need and need not in model.interfaces:
         out.append(f"--speculative-config method {options.speculative_method}: the drafter needs {need} (the "
                    f"target's auxiliary hidden states), which {who} does not provide; use method mtp")
-    where = model.pp_with_speculation_platforms
-    if (options.pipeline_parallel_size > 1 and options.speculative_method and where is not None
-            and options.platform is not None and options.platform not in where):
-        out.append(f"--speculative-config method {options.speculative_method} with --pipeline-parallel-size "
-                   f"{options.pipeline_parallel_size}: {who} pipelines drafts on {', '.join(sorted(where))} workers "
-                   f"only (vLLM 0.32's V1 model runner cannot, and the plugin makes up for it there); use one or "
-                   "the other")
+    if options.pipeline_parallel_size > 1 and options.speculative_method and model.pp_with_speculation:
+        platforms, methods = model.pp_with_speculation
+        flags = (f"--speculative-config method {options.speculative_method} with --pipeline-parallel-size "
+                 f"{options.pipeline_parallel_size}")
+        if options.platform is not None and options.platform not in platforms:
+            out.append(f"{flags}: {who} pipelines drafts on {', '.join(sorted(platforms))} workers only (vLLM 0.32's "
+                       "V1 model runner cannot, and the plugin makes up for it there); use one or the other")
+        elif options.speculative_method not in methods:
+            out.append(f"{flags}: {who} pipelines its own MTP drafts only (method mtp); use one or the other")
     if options.expert_parallel and not model.expert_parallel:
         out.append(f"--enable-expert-parallel: {who} does not partition experts across ranks (every rank would keep "
                    "a tensor-parallel slice of every expert)")
