@@ -540,7 +540,7 @@ def cpu_pp_speculation(vllm_config) -> bool:
     if vllm_config.parallel_config.pipeline_parallel_size <= 1 or spec is None or not is_cpu_platform():
         return False
     if not spec.use_eagle():
-        return False  # ngram/suffix drafters keep vLLM's handling
+        return False  # other drafters are refused with PP (serving.refusals)
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     if getattr(CPUModelRunner, "_glm53_pp_speculation", False):
