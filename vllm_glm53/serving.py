@@ -110,9 +110,9 @@ class ModelCapabilities:
     own_attention_backends: bool  # ignores --attention-backend / --sparse-indexer-topk-backend
     expert_parallel: bool  # MixtureOfExperts is not enough: the experts must really be partitioned
     eplb: bool  # expert-parallel load balancing (redundant experts, rebalancing)
-    # EP only over the tensor-parallel ranks (no data parallel) and only for experts kept unquantized, which on CPU
-    # includes FP8 checkpoints (dequantized at load); quantized expert kernels keep every expert
-    expert_parallel_tp_only: bool
+    # EP (over the TP ranks, or DP x TP) only for experts kept unquantized, which on CPU includes FP8 checkpoints
+    # (dequantized at load); quantized expert kernels keep every expert
+    expert_parallel_unquantized_only: bool
     # speculative decoding together with pipeline parallel: vLLM 0.32's V1 scheduler and runner (the path on CPU)
     # mis-schedule drafts with PP's batch queue (a step of 1 token carrying 2 draft ids), for any model
     pp_with_speculation: bool
@@ -127,9 +127,9 @@ PLUGIN_MODEL = ModelCapabilities(
     fp8_kv_cache=False,  # the latent cache stores the model dtype (backends/latent_cache.py)
     quantizations=frozenset({"fp8", "glm5_next_fp8", "ascend", "glm5_next_mxfp8"}),
     own_attention_backends=True,
-    expert_parallel=True,  # over the TP ranks, unquantized/dequantized experts (model/moe.py)
+    expert_parallel=True,  # over the DP x TP ranks, unquantized/dequantized experts (model/moe.py)
     eplb=False,
-    expert_parallel_tp_only=True,
+    expert_parallel_unquantized_only=True,
     pp_with_speculation=False,
 )
 
@@ -142,7 +142,7 @@ VLLM_MODEL = ModelCapabilities(
     own_attention_backends=False,
     expert_parallel=True,
     eplb=True,
-    expert_parallel_tp_only=False,
+    expert_parallel_unquantized_only=False,
     pp_with_speculation=True,
 )
 
@@ -181,10 +181,7 @@ def refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
     if options.expert_parallel and not model.expert_parallel:
         out.append(f"--enable-expert-parallel: {who} does not partition experts across ranks (every rank would keep "
                    "a tensor-parallel slice of every expert)")
-    if options.expert_parallel and model.expert_parallel and model.expert_parallel_tp_only:
-        if options.data_parallel_size > 1:
-            out.append(f"--enable-expert-parallel with --data-parallel-size {options.data_parallel_size}: {who} "
-                       "partitions experts over the tensor-parallel ranks only")
+    if options.expert_parallel and model.expert_parallel and model.expert_parallel_unquantized_only:
         dequantized = options.platform == "cpu" and options.quantization in (None, "fp8", "glm5_next_fp8")
         if options.quantization is not None and not dequantized:
             out.append(f"--enable-expert-parallel with quantization {options.quantization}: {who} partitions "

@@ -74,6 +74,9 @@ class Glm5NextMoE(nn.Module):
         self.tp_size, self.tp_rank = tp, get_tensor_model_parallel_rank()
         E, D = arch.n_routed_experts, arch.hidden_size
         self.ep_rank, self.ep_size = _vllm.expert_parallel_rank()
+        self.dp_rank, self.dp_size = _vllm.data_parallel_rank()
+        # EP over DP ranks: every DP rank's tokens must meet every rank's experts (forward_across_dp)
+        self.exchange = self.ep_size > 1 and self.dp_size > 1
         if E % self.ep_size:
             raise ValueError(f"--enable-expert-parallel: {E} routed experts cannot be split evenly over "
                              f"{self.ep_size} ranks")
@@ -95,6 +98,8 @@ class Glm5NextMoE(nn.Module):
         return [f"experts.{name}" for name in self.experts.load(expert, which, leaf, tensor)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exchange:
+            return self.forward_across_dp(x)
         logits = torch.nn.functional.linear(x.to(torch.float32), self.gate.weight.to(torch.float32))
         out = self.experts(x, logits).to(x.dtype)
         if self.shared_experts is not None:
@@ -102,6 +107,33 @@ class Glm5NextMoE(nn.Module):
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+
+    def forward_across_dp(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallel over DP x TP ranks. Every DP rank's hidden states are all-gathered (each padded to the
+        step's largest count, which vLLM agreed on before the step: ``dp_token_counts`` reads it from the forward
+        context), this rank routes all of them (the router is per token, so each token's choice is the one a
+        single rank would make) and computes the pairs routed to its experts; its shared-expert partial (TP slice,
+        local tokens) goes into its own DP rank's rows, and one all-reduce over the EP group sums routed and shared
+        partials for every token. This DP rank keeps its rows. Idle DP ranks take part with vLLM's dummy batches
+        (one token), so every rank runs every MoE block of every step."""
+        n, hidden = x.shape
+        counts = _vllm.dp_token_counts(n)
+        rows = max(counts)
+        if rows == 0:  # no rank has tokens this step (all skip alike: the counts are the same everywhere)
+            return x.new_zeros(0, hidden)
+        padded = x if n == rows else torch.cat([x, x.new_zeros(rows - n, hidden)])
+        everyone = _vllm.dp_all_gather(padded)  # [dp * rows, hidden], DP rank order
+        if any(c != rows for c in counts):  # drop the padding rows: they would be routed and computed for nothing
+            keep = torch.cat([torch.arange(r * rows, r * rows + c) for r, c in enumerate(counts)])
+            everyone = everyone.index_select(0, keep)
+        logits = torch.nn.functional.linear(everyone.to(torch.float32), self.gate.weight.to(torch.float32))
+        out = self.experts(everyone, logits).to(x.dtype)  # [sum(counts), hidden]: this rank's experts only
+        start = sum(counts[: self.dp_rank])
+        if self.shared_experts is not None:
+            out[start : start + n] += self.shared_experts(x)
+        out = _vllm.ep_all_reduce(out)
+        return out[start : start + n]
 
 
 class Router:
