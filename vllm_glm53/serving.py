@@ -110,8 +110,9 @@ class ModelCapabilities:
     own_attention_backends: bool  # ignores --attention-backend / --sparse-indexer-topk-backend
     expert_parallel: bool  # MixtureOfExperts is not enough: the experts must really be partitioned
     eplb: bool  # expert-parallel load balancing (redundant experts, rebalancing)
-    # EP (over the TP ranks, or DP x TP) only for experts kept unquantized, which on CPU includes FP8 checkpoints
-    # (dequantized at load); quantized expert kernels keep every expert
+    # EP (over the TP ranks, or DP x TP) only for unquantized experts and, on CPU, block-FP8 ones (the CPU FP8
+    # kernel takes a range of whole experts; FP8 it cannot run is dequantized at load); other quantized kernels
+    # (w8a8, FP8 on GPUs) keep every expert
     expert_parallel_unquantized_only: bool
     # speculative decoding together with pipeline parallel: vLLM 0.32's V1 scheduler and runner (the path on CPU)
     # mis-schedule drafts with PP's batch queue (a step of 1 token carrying 2 draft ids), for any model
@@ -185,7 +186,7 @@ def refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
         dequantized = options.platform == "cpu" and options.quantization in (None, "fp8", "glm5_next_fp8")
         if options.quantization is not None and not dequantized:
             out.append(f"--enable-expert-parallel with quantization {options.quantization}: {who} partitions "
-                       "unquantized experts only (and FP8 ones on CPU, which it dequantizes at load)")
+                       "unquantized experts only (and block-FP8 ones on CPU)")
     if options.eplb and not model.eplb:
         out.append(f"--enable-eplb: {who} has no expert-parallel load balancing")
     if options.kv_cache_dtype.startswith("fp8") and not model.fp8_kv_cache:
