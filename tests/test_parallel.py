@@ -50,8 +50,10 @@ def dp_ep_server(reference):
 def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
     import requests
 
+    from vllm_glm53.demo import SERVED_NAME
+
     r = requests.post(f"{url}/v1/completions", timeout=600, json={
-        "model": "glm-5.3-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
         "return_token_ids": True})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -84,7 +86,9 @@ def test_data_parallel_2_with_expert_parallel_serves_like_transformers(reference
     same time, and, when one stream is between requests or done, the idle engine steps vLLM's dummy batches in
     lockstep with the busy one. Every completion equals transformers' greedy run, token ids and logprobs; both
     engines finished requests (vLLM's per-engine metrics); each rank's expert weights are exactly its half of the
-    checkpoint (vLLM's weight checksums, per DP rank)."""
+    checkpoint (vLLM's weight checksums, per DP rank). Traced once by hand (every MoE call's token counts): 49
+    lockstep steps, prefill steps such as [3, 1], [1, 24], [128, 1] (the 190-token prompt in two chunks), and each
+    engine stepped about 27 one-token dummy batches while the other had work."""
     import re
     import threading
 

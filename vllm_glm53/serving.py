@@ -128,7 +128,7 @@ PLUGIN_MODEL = ModelCapabilities(
     fp8_kv_cache=False,  # the latent cache stores the model dtype (backends/latent_cache.py)
     quantizations=frozenset({"fp8", "glm5_next_fp8", "ascend", "glm5_next_mxfp8"}),
     own_attention_backends=True,
-    expert_parallel=True,  # over the DP x TP ranks, unquantized/dequantized experts (model/moe.py)
+    expert_parallel=True,  # over the DP x TP ranks, unquantized or CPU block-FP8 experts (model/moe.py)
     eplb=False,
     expert_parallel_unquantized_only=True,
     pp_with_speculation=False,
@@ -183,8 +183,8 @@ def refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
         out.append(f"--enable-expert-parallel: {who} does not partition experts across ranks (every rank would keep "
                    "a tensor-parallel slice of every expert)")
     if options.expert_parallel and model.expert_parallel and model.expert_parallel_unquantized_only:
-        dequantized = options.platform == "cpu" and options.quantization in (None, "fp8", "glm5_next_fp8")
-        if options.quantization is not None and not dequantized:
+        partitioned = options.platform == "cpu" and options.quantization in (None, "fp8", "glm5_next_fp8")
+        if options.quantization is not None and not partitioned:
             out.append(f"--enable-expert-parallel with quantization {options.quantization}: {who} partitions "
                        "unquantized experts only (and block-FP8 ones on CPU)")
     if options.eplb and not model.eplb:
