@@ -1,8 +1,9 @@
 """Beyond one process group: pipeline parallel over Ray across two nodes, expert parallel over TP, and expert
 parallel across data-parallel engines (``vllm serve``) for the plugin's model, each against transformers on the same
 float32 checkpoint: prompts from 3 to 190 tokens (index_topk is 8, so sparse selection drops positions), in the
-``LLM`` runs ``max_num_seqs`` 3 so that steps mix prefills with decodes, every generated token's logprob compared. Pipeline parallel under vLLM's own process executor, with the
-indexer's selection crossing the stage boundary and images on the first stage, runs in tests/test_vision_engine.py.
+``LLM`` runs ``max_num_seqs`` 3 so that steps mix prefills with decodes, every generated token's logprob compared.
+Pipeline parallel under vLLM's own process executor, with the indexer's selection crossing the stage boundary and
+images on the first stage, runs in tests/test_vision_engine.py.
 
 Engine starts dominate the cost (about a minute each on 2 idle cores), so each scenario is one engine.
 """
