@@ -283,6 +283,33 @@ def test_expert_layer_keeps_the_checkpoint_bytes():
     _close(got.double(), _experts_reference(x, w13, s13, w2, s2, ids, weights), ulps=F32_ULPS * 40)  # measured 6.8
 
 
+def test_expert_parallel_ranks_keep_fp8_and_sum_to_the_whole_layer():
+    """Expert parallel on CPU keeps the FP8 kernel: two ranks' CpuFp8Experts, each filled with its half of the
+    experts from the same checkpoint tensors (E4M3 bytes, half the bytes), sum to the unpartitioned layer."""
+    from vllm_glm53.model.moe_routing import route
+    from vllm_glm53.quant.experts import CpuFp8Experts
+    from vllm_glm53.quant.fp8 import BlockFp8Weight
+
+    gen = _gen(37)
+    D, inter, k = 256, 72, 3
+    bias = torch.zeros(E)
+    router = lambda logits: route(logits, bias, k, 1, 1, True, 1.0)  # noqa: E731
+    whole = CpuFp8Experts(E, D, inter, 0, SWIGLU_LIMIT, router, BLOCK)
+    ranks = [CpuFp8Experts(E, D, inter, 0, SWIGLU_LIMIT, router, BLOCK, first_expert=r * E // 2, num_local=E // 2)
+             for r in range(2)]
+    for e in range(E):
+        for which, shape in (("gate_proj", (inter, D)), ("up_proj", (inter, D)), ("down_proj", (D, inter))):
+            tensor = BlockFp8Weight(*_quantized(*shape, gen))
+            whole.load(e, which, "weight", tensor)
+            filled = [rank.load(e, which, "weight", tensor) for rank in ranks]
+            assert [bool(f) for f in filled] == [e < E // 2, e >= E // 2]
+    for r, rank in enumerate(ranks):
+        assert rank.w13.dtype == E4M3 and rank.w13.nbytes + rank.w2.nbytes == E // 2 * 3 * inter * D
+        assert torch.equal(rank.w13.view(torch.uint8), whole.w13[r * E // 2 : (r + 1) * E // 2].view(torch.uint8))
+    x, logits = 4 * torch.randn(11, D, generator=gen), torch.randn(11, E, generator=gen)
+    _close(sum(rank(x, logits) for rank in ranks).double(), whole(x, logits).double(), ulps=F32_ULPS * 40)
+
+
 def test_weight_form_says_why_it_declines():
     assert fp8_ops.fp8_weight_form(BLOCK) == "fp8"
     assert fp8_ops.fp8_weight_form((128, 100)) == "dequantized"

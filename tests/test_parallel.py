@@ -1,8 +1,9 @@
-"""Beyond one process group: pipeline parallel over Ray across two nodes (with MTP drafts) and expert parallel
-for the plugin's model, each against transformers on the same float32 checkpoint: a batch of prompts from 3 to 190
-tokens (index_topk is 8, so sparse selection drops positions), ``max_num_seqs`` 3 so that steps mix prefills with
-decodes, every generated token's logprob compared. Pipeline parallel under vLLM's own process executor, with the
-indexer's selection crossing the stage boundary and images on the first stage, runs in tests/test_vision_engine.py.
+"""Beyond one process group: TP 2 x PP 2 over Ray across two nodes (with MTP drafts), expert parallel over TP, and
+expert parallel across data-parallel engines (``vllm serve``) for the plugin's model, each against transformers on
+the same float32 checkpoint: prompts from 3 to 190 tokens (index_topk is 8, so sparse selection drops positions), in
+the ``LLM`` runs ``max_num_seqs`` 3 so that steps mix prefills with decodes, every generated token's logprob
+compared. Pipeline parallel under vLLM's own process executor, with the indexer's selection crossing the stage
+boundary and images on the first stage, runs in tests/test_vision_engine.py.
 
 Engine starts dominate the cost (about a minute each on 2 idle cores), so each scenario is one engine.
 """
@@ -37,6 +38,110 @@ def test_tensor_parallel_2_with_expert_parallel_matches_transformers(reference):
                             env=BIND_2)
     assert_parity(got, want)
     assert [(s["experts_per_block"], s["first_experts"]) for s in sizes] == [([4], [0]), ([4], [4])]
+
+
+@pytest.fixture(scope="module")
+def dp_ep_server(reference):
+    """``vllm serve --data-parallel-size 2 --enable-expert-parallel`` (the CPU recipe's flags, one core per DP rank),
+    with vLLM's dev endpoints (``VLLM_SERVER_DEV_MODE``) for the weight checksums."""
+    from conftest import served
+
+    with served(reference[0], ("--data-parallel-size", "2", "--enable-expert-parallel"),
+                env={**BIND_2, "VLLM_SERVER_DEV_MODE": "1"}) as server:
+        yield server
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:
+    import requests
+
+    from vllm_glm53.demo import SERVED_NAME
+
+    r = requests.post(f"{url}/v1/completions", timeout=600, json={
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+        "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return {"token_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
+
+
+def _expected_expert_digests(path, layer: int, first: int, count: int) -> dict[str, str]:
+    """sha256 of the stacked expert tensors a rank holding experts ``[first, first + count)`` of MoE block
+    ``layer`` must have (``w13`` rows gate | up, ``w2`` down), built from the checkpoint."""
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+
+    def digest(t):
+        return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        def w(e, which):
+            return f.get_tensor(f"model.language_model.layers.{layer}.mlp.experts.{e}.{which}.weight")
+
+        experts = range(first, first + count)
+        return {"w13": digest(torch.stack([torch.cat([w(e, "gate_proj"), w(e, "up_proj")]) for e in experts])),
+                "w2": digest(torch.stack([w(e, "down_proj") for e in experts]))}
+
+
+def test_data_parallel_2_with_expert_parallel_serves_like_transformers(reference, dp_ep_server):
+    """DP 2 x EP: each DP rank holds 4 of the 8 experts whole, and every MoE block exchanges the two ranks' tokens.
+    Two request streams at once (a 3-token prompt then the 190-token one; 24 then 77), so both engines run at the
+    same time, and, when one stream is between requests or done, the idle engine steps vLLM's dummy batches in
+    lockstep with the busy one. Every completion equals transformers' greedy run, token ids and logprobs; both
+    engines finished requests (vLLM's per-engine metrics); each rank's expert weights are exactly its half of the
+    checkpoint (vLLM's weight checksums, per DP rank). Traced once by hand (every MoE call's token counts): 49
+    lockstep steps, prefill steps such as [3, 1], [1, 24], [128, 1] (the 190-token prompt in two chunks), and each
+    engine stepped about 27 one-token dummy batches while the other had work."""
+    import re
+    import threading
+
+    import requests
+
+    path, prompts, want = reference
+    url = dp_ep_server["url"]
+    got: dict[int, dict] = {}
+    failures: list[BaseException] = []
+
+    def stream(indices):
+        try:
+            for i in indices:
+                got[i] = _complete(url, prompts[i], MAX_TOKENS[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(s,)) for s in ([0, 3], [1, 2])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log = "\n".join(dp_ep_server["server"].lines[-80:])
+    assert not failures, f"{failures}\n{log}"
+    assert_parity([got[i] for i in range(len(prompts))], want)
+
+    finished = {}
+    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
+        m = re.match(r'vllm:request_success_total\{.*engine="(\d+)".*\} ([0-9.]+)$', line)
+        if m:
+            finished[m[1]] = finished.get(m[1], 0) + float(m[2])
+    assert set(finished) == {"0", "1"} and all(n > 0 for n in finished.values()), f"finished per engine: {finished}"
+    assert sum(finished.values()) == len(prompts)
+
+    r = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=60)
+    assert r.status_code == 200, r.text
+    checksums = r.json()["checksums"]
+    stacks = {}
+    for key, digest in checksums.items():  # "dp{d}:pp0:pcp0:tp0:<parameter name>"
+        m = re.match(r"dp(\d+):.*\.layers\.(\d+)\.mlp\.experts\.(w13|w2)$", key)
+        if m:
+            stacks[(int(m[1]), int(m[2]), m[3])] = digest
+    layers = sorted({layer for _, layer, _ in stacks})
+    assert layers and {dp for dp, _, _ in stacks} == {0, 1}, sorted(stacks)
+    for layer in layers:
+        for dp in (0, 1):
+            want_digests = _expected_expert_digests(path, layer, first=4 * dp, count=4)
+            for which in ("w13", "w2"):
+                assert stacks[(dp, layer, which)] == want_digests[which], f"DP rank {dp} layer {layer} {which}"
 
 
 @pytest.fixture(scope="module")

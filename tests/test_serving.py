@@ -369,3 +369,15 @@ def test_the_plugins_renderer_feeds_vllms_own_multimodal_processor(size, tmp_pat
     (offset, length), = ours["placeholders"]
     t, h, w = ours["image_grid_thw"]
     assert ours["pixel_rows"] == t * h * w and length >= t * h * w // 4
+
+
+def test_expert_parallel_across_data_parallel_is_served_with_unquantized_or_cpu_fp8_experts():
+    """EP over DP x TP ranks is the plugin's (model/moe.py exchanges the DP ranks' tokens); what stays refused is EP
+    with experts some other quantized kernel keeps whole (w8a8 on Ascend), naming the flag."""
+    dp_ep = dict(expert_parallel=True, data_parallel_size=2)
+    assert serving.refusals(serving.PLUGIN_MODEL, serving.ServeOptions(**dp_ep, platform="cpu")) == []
+    assert serving.refusals(serving.PLUGIN_MODEL, serving.ServeOptions(**dp_ep, platform="cpu",
+                                                                       quantization="fp8")) == []
+    refused = serving.refusals(serving.PLUGIN_MODEL, serving.ServeOptions(**dp_ep, platform="npu",
+                                                                          quantization="ascend"))
+    assert len(refused) == 1 and refused[0].startswith("--enable-expert-parallel with quantization ascend")

@@ -453,9 +453,9 @@ def _cpu_ray_executor_class():
 
 
 def expert_parallel_rank() -> tuple[int, int]:
-    """``(rank, size)`` of this process in the expert-parallel group the plugin's MoE uses: its tensor-parallel
-    group when ``--enable-expert-parallel`` is set, else ``(0, 1)``. vLLM's EP group spans TP x DP; the plugin
-    refuses EP with data parallel (its experts would need the DP ranks' tokens exchanged)."""
+    """``(rank, size)`` of this process in the expert-parallel group the plugin's MoE uses, ``(0, 1)`` without
+    ``--enable-expert-parallel``. vLLM's EP group spans DP x TP (ranks ordered DP-major, so rank
+    ``dp_rank * TP + tp_rank``); with one DP rank it is the tensor-parallel group."""
     from vllm.config import get_current_vllm_config
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
@@ -463,9 +463,61 @@ def expert_parallel_rank() -> tuple[int, int]:
     if not getattr(parallel, "enable_expert_parallel", False):
         return 0, 1
     if parallel.data_parallel_size > 1:
-        raise ValueError("--enable-expert-parallel with --data-parallel-size > 1: the plugin's model partitions "
-                         "experts over the tensor-parallel ranks only")
+        from vllm.distributed.parallel_state import get_ep_group
+
+        group = get_ep_group()
+        return group.rank_in_group, group.world_size
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def data_parallel_rank() -> tuple[int, int]:
+    """``(rank, size)`` of this process in vLLM's data-parallel group (``(0, 1)`` without DP)."""
+    from vllm.config import get_current_vllm_config
+
+    parallel = get_current_vllm_config().parallel_config
+    if parallel.data_parallel_size <= 1:
+        return 0, 1
+    from vllm.distributed.parallel_state import get_dp_group
+
+    group = get_dp_group()
+    return group.rank_in_group, group.world_size
+
+
+def dp_token_counts(num_tokens: int) -> list[int]:
+    """Every DP rank's token count in this forward step, as vLLM agreed on it before the step (the forward
+    context's ``dp_metadata.num_tokens_across_dp_cpu``, a host tensor: no extra synchronisation). Outside a
+    forward context that carries it (never seen in vLLM 0.32's runner with DP and a MoE model), the counts are
+    all-gathered over the DP group's host (gloo) group."""
+    from vllm.distributed.parallel_state import get_dp_group
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    group = get_dp_group()
+    meta = get_forward_context().dp_metadata if is_forward_context_available() else None
+    if meta is not None:
+        counts = [int(n) for n in meta.num_tokens_across_dp_cpu.tolist()]
+        if counts[group.rank_in_group] != num_tokens:
+            raise RuntimeError(f"this DP rank runs {num_tokens} tokens, vLLM's forward context says {counts}")
+        return counts
+    import torch
+
+    mine = torch.tensor([num_tokens], dtype=torch.int64)
+    out = [torch.zeros_like(mine) for _ in range(group.world_size)]
+    torch.distributed.all_gather(out, mine, group=group.cpu_group)
+    return [int(t.item()) for t in out]
+
+
+def dp_all_gather(x):
+    """Concatenation over the DP ranks (rank order) of ``x`` (same shape on every rank), along dim 0."""
+    from vllm.distributed.parallel_state import get_dp_group
+
+    return get_dp_group().all_gather(x, dim=0)
+
+
+def ep_all_reduce(x):
+    """Sum of ``x`` over the expert-parallel group (DP x TP ranks)."""
+    from vllm.distributed.parallel_state import get_ep_group
+
+    return get_ep_group().all_reduce(x)
 
 
 def cpu_pp_receive_buffer(vllm_config) -> bool:

@@ -110,9 +110,10 @@ class ModelCapabilities:
     own_attention_backends: bool  # ignores --attention-backend / --sparse-indexer-topk-backend
     expert_parallel: bool  # MixtureOfExperts is not enough: the experts must really be partitioned
     eplb: bool  # expert-parallel load balancing (redundant experts, rebalancing)
-    # EP only over the tensor-parallel ranks (no data parallel) and only for experts kept unquantized, which on CPU
-    # includes FP8 checkpoints (dequantized at load); quantized expert kernels keep every expert
-    expert_parallel_tp_only: bool
+    # EP (over the TP ranks, or DP x TP) only for unquantized experts and, on CPU, block-FP8 ones (the CPU FP8
+    # kernel takes a range of whole experts; FP8 it cannot run is dequantized at load); other quantized kernels
+    # (w8a8, FP8 on GPUs) keep every expert
+    expert_parallel_unquantized_only: bool
     # speculative decoding together with pipeline parallel, as (platforms, methods), None: any. The plugin's model
     # makes up for what vLLM 0.32's V1 runner lacks there on CPU workers and for MTP only (adapter ledger 10)
     pp_with_speculation: tuple[frozenset[str], frozenset[str]] | None
@@ -127,9 +128,9 @@ PLUGIN_MODEL = ModelCapabilities(
     fp8_kv_cache=False,  # the latent cache stores the model dtype (backends/latent_cache.py)
     quantizations=frozenset({"fp8", "glm5_next_fp8", "ascend", "glm5_next_mxfp8"}),
     own_attention_backends=True,
-    expert_parallel=True,  # over the TP ranks, unquantized/dequantized experts (model/moe.py)
+    expert_parallel=True,  # over the DP x TP ranks, unquantized or CPU block-FP8 experts (model/moe.py)
     eplb=False,
-    expert_parallel_tp_only=True,
+    expert_parallel_unquantized_only=True,
     pp_with_speculation=(frozenset({"cpu"}), frozenset({"mtp", "deepseek_mtp"})),
 )
 
@@ -142,7 +143,7 @@ VLLM_MODEL = ModelCapabilities(
     own_attention_backends=False,
     expert_parallel=True,
     eplb=True,
-    expert_parallel_tp_only=False,
+    expert_parallel_unquantized_only=False,
     pp_with_speculation=None,
 )
 
@@ -184,14 +185,11 @@ def refusals(model: ModelCapabilities, options: ServeOptions) -> list[str]:
     if options.expert_parallel and not model.expert_parallel:
         out.append(f"--enable-expert-parallel: {who} does not partition experts across ranks (every rank would keep "
                    "a tensor-parallel slice of every expert)")
-    if options.expert_parallel and model.expert_parallel and model.expert_parallel_tp_only:
-        if options.data_parallel_size > 1:
-            out.append(f"--enable-expert-parallel with --data-parallel-size {options.data_parallel_size}: {who} "
-                       "partitions experts over the tensor-parallel ranks only")
-        dequantized = options.platform == "cpu" and options.quantization in (None, "fp8", "glm5_next_fp8")
-        if options.quantization is not None and not dequantized:
+    if options.expert_parallel and model.expert_parallel and model.expert_parallel_unquantized_only:
+        partitioned = options.platform == "cpu" and options.quantization in (None, "fp8", "glm5_next_fp8")
+        if options.quantization is not None and not partitioned:
             out.append(f"--enable-expert-parallel with quantization {options.quantization}: {who} partitions "
-                       "unquantized experts only (and FP8 ones on CPU, which it dequantizes at load)")
+                       "unquantized experts only (and block-FP8 ones on CPU)")
     if options.eplb and not model.eplb:
         out.append(f"--enable-eplb: {who} has no expert-parallel load balancing")
     if options.kv_cache_dtype.startswith("fp8") and not model.fp8_kv_cache:

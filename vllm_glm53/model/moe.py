@@ -1,8 +1,10 @@
 """Dense MLP and mixture-of-experts blocks (architecture.md §4, §8), tensor-parallel over the intermediate
-dimension, or with ``--enable-expert-parallel`` (unquantized or dequantized-at-load experts) the routed experts
-partitioned whole across the tensor-parallel ranks: rank r holds experts ``[r E/ep, (r+1) E/ep)`` with their full
-intermediate dimension, in the same stacked ``[experts, out, in]`` layout, and computes the (token, expert) pairs
-routed to them; the shared expert stays sliced over TP, and one all-reduce sums both kinds of partial output.
+dimension, or with ``--enable-expert-parallel`` (unquantized experts, and block-FP8 ones on CPU) the routed experts
+partitioned whole across vLLM's expert-parallel group, its DP x TP ranks: rank r holds experts
+``[r E/ep, (r+1) E/ep)`` with their full intermediate dimension, in the same stacked ``[experts, out, in]`` layout,
+and computes the (token, expert) pairs routed to them; the shared expert stays sliced over TP. With TP only, one TP
+all-reduce sums both kinds of partial output; across DP ranks every MoE block first gathers all DP ranks' tokens
+(:meth:`Glm5NextMoE.forward_across_dp`) and one all-reduce over the EP group sums the partials.
 
 Why not vLLM's fused MoE on CPU: its CPU expert kernels take only an activation name and silently drop
 ``swiglu_limit``, so GLM-5.3's clamped SwiGLU would be computed unclamped. The experts here run through
@@ -30,7 +32,7 @@ from vllm_glm53._vllm import (
 )
 from vllm_glm53.backends import moe_ops
 from vllm_glm53.config import TextArch
-from vllm_glm53.model.moe_routing import clamped_swiglu, route
+from vllm_glm53.model.moe_routing import clamped_swiglu, local_expert_pairs, route
 from vllm_glm53.quant import experts as quant_experts
 from vllm_glm53.quant.fp8 import BlockFp8Weight
 from vllm_glm53.quant.plan import LayerQuant, layer_quant
@@ -63,7 +65,8 @@ class Glm5NextMLP(nn.Module):
 
 class Glm5NextMoE(nn.Module):
     """Sigmoid-routed experts plus an always-on shared expert. Each TP rank holds every expert's slice of the
-    intermediate dimension; the partial outputs of routed and shared experts are summed in one all-reduce."""
+    intermediate dimension (or, under expert parallel, its range of whole experts); the partial outputs of routed and
+    shared experts are summed in one all-reduce (over TP, or over the EP group across DP ranks)."""
 
     def __init__(self, arch: TextArch, prefix: str) -> None:
         super().__init__()
@@ -74,6 +77,9 @@ class Glm5NextMoE(nn.Module):
         self.tp_size, self.tp_rank = tp, get_tensor_model_parallel_rank()
         E, D = arch.n_routed_experts, arch.hidden_size
         self.ep_rank, self.ep_size = _vllm.expert_parallel_rank()
+        self.dp_rank, self.dp_size = _vllm.data_parallel_rank()
+        # EP over DP ranks: every DP rank's tokens must meet every rank's experts (forward_across_dp)
+        self.exchange = self.ep_size > 1 and self.dp_size > 1
         if E % self.ep_size:
             raise ValueError(f"--enable-expert-parallel: {E} routed experts cannot be split evenly over "
                              f"{self.ep_size} ranks")
@@ -95,6 +101,8 @@ class Glm5NextMoE(nn.Module):
         return [f"experts.{name}" for name in self.experts.load(expert, which, leaf, tensor)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exchange:
+            return self.forward_across_dp(x)
         logits = torch.nn.functional.linear(x.to(torch.float32), self.gate.weight.to(torch.float32))
         out = self.experts(x, logits).to(x.dtype)
         if self.shared_experts is not None:
@@ -102,6 +110,33 @@ class Glm5NextMoE(nn.Module):
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+
+    def forward_across_dp(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallel over DP x TP ranks. Every DP rank's hidden states are all-gathered (each padded to the
+        step's largest count, which vLLM agreed on before the step: ``dp_token_counts`` reads it from the forward
+        context), this rank routes all of them (the router is per token, so each token's choice is the one a
+        single rank would make) and computes the pairs routed to its experts; its shared-expert partial (TP slice,
+        local tokens) goes into its own DP rank's rows, and one all-reduce over the EP group sums routed and shared
+        partials for every token. This DP rank keeps its rows. Idle DP ranks take part with vLLM's dummy batches
+        (one token), so every rank runs every MoE block of every step."""
+        n, hidden = x.shape
+        counts = _vllm.dp_token_counts(n)
+        rows = max(counts)
+        if rows == 0:  # no rank has tokens this step (all skip alike: the counts are the same everywhere)
+            return x.new_zeros(0, hidden)
+        padded = x if n == rows else torch.cat([x, x.new_zeros(rows - n, hidden)])
+        everyone = _vllm.dp_all_gather(padded)  # [dp * rows, hidden], DP rank order
+        if any(c != rows for c in counts):  # drop the padding rows: they would be routed and computed for nothing
+            keep = torch.cat([torch.arange(r * rows, r * rows + c) for r, c in enumerate(counts)])
+            everyone = everyone.index_select(0, keep)
+        logits = torch.nn.functional.linear(everyone.to(torch.float32), self.gate.weight.to(torch.float32))
+        out = self.experts(everyone, logits).to(x.dtype)  # [sum(counts), hidden]: this rank's experts only
+        start = sum(counts[: self.dp_rank])
+        if self.shared_experts is not None:
+            out[start : start + n] += self.shared_experts(x)
+        out = _vllm.ep_all_reduce(out)
+        return out[start : start + n]
 
 
 class Router:
@@ -158,14 +193,9 @@ class StackedExperts(nn.Module):
         if not self.partitioned:
             return moe_ops.routed_experts(x, self.w13, self.w2, ids, weights, self.swiglu_limit)
         # Expert parallel: only the (token, choice) pairs routed to this rank's experts, each as a one-expert row.
-        local = ids - self.first_expert
-        token, choice = ((local >= 0) & (local < self.num_local)).nonzero(as_tuple=True)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if token.numel():
-            y = moe_ops.routed_experts(x[token], self.w13, self.w2, local[token, choice].unsqueeze(1),
-                                       weights[token, choice].unsqueeze(1), self.swiglu_limit)
-            out.index_add_(0, token, y)
-        return out
+        return local_expert_pairs(x, ids, weights, self.first_expert, self.num_local,
+                                  lambda rows, rows_ids, rows_weights: moe_ops.routed_experts(
+                                      rows, self.w13, self.w2, rows_ids, rows_weights, self.swiglu_limit))
 
 
 def _routed_experts(arch: TextArch, quant: LayerQuant | None, prefix: str, tp_rank: int, tp_size: int,
@@ -175,16 +205,16 @@ def _routed_experts(arch: TextArch, quant: LayerQuant | None, prefix: str, tp_ra
     E, D, inter = arch.n_routed_experts, arch.hidden_size, arch.moe_intermediate_size // tp_size
     scheme = quant.experts_scheme(prefix, E) if quant is not None else None
     if ep_size > 1 and (scheme is None or (scheme == "fp8" and quant.backend == "cpu")):
-        if scheme is not None:
-            # The compiled FP8 expert kernel reads every expert's TP slice; under EP this rank's whole experts
-            # take the dequantize-at-load stack (what serving.refusals promises for FP8 on CPU).
-            logger.warning("vllm-glm53: %s.experts are dequantized at load under expert parallel", prefix)
         local = E // ep_size
-        return StackedExperts(E, D, arch.moe_intermediate_size, 0, arch.swiglu_limit, router,
-                              first_expert=ep_rank * local, num_local=local)
+        if scheme is None:
+            return StackedExperts(E, D, arch.moe_intermediate_size, 0, arch.swiglu_limit, router,
+                                  first_expert=ep_rank * local, num_local=local)
+        # the compiled FP8 kernel on this rank's whole experts (full intermediate dimension: no block is split)
+        return quant_experts.CpuFp8Experts(E, D, arch.moe_intermediate_size, 0, arch.swiglu_limit, router,
+                                           quant.block_size, first_expert=ep_rank * local, num_local=local)
     if ep_size > 1:
-        raise ValueError(f"--enable-expert-parallel: the plugin's model partitions unquantized (or "
-                         f"dequantized-at-load) experts only; this checkpoint's experts run as {scheme} here")
+        raise ValueError(f"--enable-expert-parallel: the plugin's model partitions unquantized experts (and block-FP8 "
+                         f"ones on CPU) only; this checkpoint's experts run as {scheme} here")
     if scheme is None:
         return StackedExperts(E, D, inter, tp_rank, arch.swiglu_limit, router)
     if scheme == "w8a8":

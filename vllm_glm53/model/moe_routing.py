@@ -41,3 +41,18 @@ def route(
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids
+
+
+def local_expert_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, first_expert: int, num_local: int,
+                       run) -> torch.Tensor:
+    """Expert parallel: the routed output of the experts ``[first_expert, first_expert + num_local)`` only, float32
+    ``[T, D]`` (zero rows for tokens none of them received). Each (token, choice) pair routed to one of them becomes a
+    one-expert row for ``run(x_rows, local_ids [P, 1], weights [P, 1])``, which returns ``[P, D]``; the pairs of one
+    token are summed back into its row."""
+    local = ids - first_expert
+    token, choice = ((local >= 0) & (local < num_local)).nonzero(as_tuple=True)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if token.numel():
+        y = run(x[token], local[token, choice].unsqueeze(1), weights[token, choice].unsqueeze(1))
+        out.index_add_(0, token, y.to(torch.float32))
+    return out

@@ -160,19 +160,24 @@ class CpuFp8Experts(nn.Module):
     ``w13 [E, 2I, D]`` (rows gate | up: the checkpoint's gate_proj / up_proj row slices) with ``w13_scale_inv
     [E, 2 ceil(I/bn), ceil(D/bk)]`` (gate blocks, then up blocks: each half keeps its own ragged last block) and
     ``w2 [E, D, I]`` with ``w2_scale_inv [E, ceil(D/bn), ceil(I/bk)]``; each rank holds every expert's slice
-    ``[lo, hi)`` of the intermediate dimension, which must start on a block edge.
+    ``[lo, hi)`` of the intermediate dimension, which must start on a block edge. Expert parallel (``first_expert``,
+    ``num_local``): whole experts ``[first_expert, first_expert + num_local)`` only (``E`` is then ``num_local``),
+    the others' checkpoint tensors skipped; the kernel runs the (token, choice) pairs routed to them.
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int, tp_rank: int, swiglu_limit: float,
-                 router: Router, block: tuple[int, int]) -> None:
+                 router: Router, block: tuple[int, int], first_expert: int = 0, num_local: int | None = None) -> None:
         super().__init__()
         bn, bk = self.block = tuple(int(b) for b in block)
         self.num_experts, self.inter, self.swiglu_limit, self.router = num_experts, inter, swiglu_limit, router
         self.lo, self.hi = tp_rank * inter, (tp_rank + 1) * inter
+        self.first_expert = first_expert
+        self.num_local = num_experts if num_local is None else num_local
+        self.partitioned = self.num_local != num_experts
         reason = self.slice_reason(inter, tp_rank, block)
         if reason:
             raise ValueError(f"FP8 experts: {reason}")
-        E, D, I = num_experts, hidden, inter
+        E, D, I = self.num_local, hidden, inter
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, D, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.w13_scale_inv = nn.Parameter(torch.full((E, 2 * math.ceil(I / bn), math.ceil(D / bk)), -1.0),
                                           requires_grad=False)
@@ -193,6 +198,9 @@ class CpuFp8Experts(nn.Module):
             raise ValueError(f"experts.{expert}.{which}.{leaf}: expected a block-FP8 weight")
         if tuple(tensor.block) != self.block:
             raise ValueError(f"experts.{expert}.{which}: FP8 block {list(tensor.block)}, expected {list(self.block)}")
+        if not 0 <= expert - self.first_expert < self.num_local:
+            return []  # another expert-parallel rank's expert
+        expert -= self.first_expert
         bn, bk = self.block
         weight, scale = tensor.weight, tensor.scale_inv
         if which == "down_proj":
@@ -209,9 +217,17 @@ class CpuFp8Experts(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         from vllm_glm53.backends.cpu.fp8 import routed_experts_fp8
 
+        from vllm_glm53.model.moe_routing import local_expert_pairs
+
         weights, ids = self.router(router_logits)
-        return routed_experts_fp8(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, ids, weights,
-                                  self.swiglu_limit, self.block)
+
+        def run(rows, rows_ids, rows_weights):
+            return routed_experts_fp8(rows, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, rows_ids,
+                                      rows_weights, self.swiglu_limit, self.block)
+
+        if not self.partitioned:
+            return run(x, ids, weights)
+        return local_expert_pairs(x, ids, weights, self.first_expert, self.num_local, run)
 
 
 class FusedFp8Experts(nn.Module):
