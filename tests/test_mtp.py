@@ -43,14 +43,6 @@ def test_speculation_keeps_greedy_outputs(reference, method, n):
     print(f"{method} n={n}: acceptance {_acceptance(metrics):.2f} on a random draft layer")
 
 
-def test_speculation_with_tensor_parallel_2(reference):
-    path, prompts, want = reference
-    got = run_engine(path, prompts, MAX_TOKENS, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, engine={
-        "tensor_parallel_size": 2, "enable_prefix_caching": False,
-        "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}})
-    assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
-
-
 def test_exact_drafts_are_accepted_and_save_steps(tiny_ckpt, tmp_path):
     path = tmp_path / "exact-mtp"
     shutil.copytree(tiny_ckpt("default"), path)

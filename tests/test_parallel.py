@@ -29,24 +29,13 @@ def reference(tiny_ckpt):
     return greedy_reference(tiny_ckpt("default"), LENGTHS, MAX_TOKENS)
 
 
-def test_tensor_parallel_2_with_expert_parallel_matches_transformers(reference):
-    """``--enable-expert-parallel`` over TP 2: each rank holds 4 of the 8 experts whole (rank 0 experts 0-3, rank 1
-    experts 4-7, in every MoE block), attention and the shared expert stay tensor-parallel."""
-    path, prompts, want = reference
-    got, sizes = run_engine(path, prompts, MAX_TOKENS, logprobs=1, probe=probe("parameter_bytes"),
-                            engine={"tensor_parallel_size": 2, "enable_expert_parallel": True, "max_num_seqs": 3},
-                            env=BIND_2)
-    assert_parity(got, want)
-    assert [(s["experts_per_block"], s["first_experts"]) for s in sizes] == [([4], [0]), ([4], [4])]
-
-
 @pytest.fixture(scope="module")
 def dp_ep_server(reference):
     """``vllm serve --data-parallel-size 2 --enable-expert-parallel`` (the CPU recipe's flags, one core per DP rank),
     with vLLM's dev endpoints (``VLLM_SERVER_DEV_MODE``) for the weight checksums."""
     from conftest import served
 
-    with served(reference[0], ("--data-parallel-size", "2", "--enable-expert-parallel"),
+    with served(reference[0], ("--data-parallel-size", "2", "--enable-expert-parallel", "--api-server-count", "1"),
                 env={**BIND_2, "VLLM_SERVER_DEV_MODE": "1"}) as server:
         yield server
 
@@ -176,24 +165,28 @@ def drafting(tiny_ckpt, tmp_path_factory):
     return greedy_reference(path, LENGTHS, MAX_TOKENS)
 
 
-def test_tensor_2_by_pipeline_2_over_ray_on_two_nodes_with_mtp_and_prefix_caching_matches_transformers(
+def test_tensor_2_by_pipeline_2_over_ray_with_expert_parallel_mtp_and_prefix_caching_matches_transformers(
         drafting, two_node_ray_cluster):
     """The two-node recipe's shape on two simulated nodes: PP 2 over Ray, one stage per node, TP 2 inside each node
-    with one rank per core range; split 2 | 3 so both stages hold KDA layers and vLLM's prefix caching (its default:
-    KDA state snapshots at block edges) runs on both; MTP drafts (the draft layer on the last stage; steps run one at
-    a time, adapter ledger 10); then a 3-turn conversation (each turn's prompt = the previous prompt + reply + a new
-    message) reuses the earlier turns' blocks, every turn equal to transformers."""
+    with one rank per core range, and ``--enable-expert-parallel`` over each stage's TP 2 (each rank holds 4 of the
+    8 experts whole: experts 0-3 and 4-7 in every MoE block; attention and the shared expert stay tensor-parallel);
+    split 2 | 3 so both stages hold KDA layers and vLLM's prefix caching (its default: KDA state snapshots at block
+    edges) runs on both; MTP drafts (the draft layer on the last stage; steps run one at a time, adapter ledger 10);
+    then a 3-turn conversation (each turn's prompt = the previous prompt + reply + a new message) reuses the earlier
+    turns' blocks, every turn equal to transformers."""
     path, prompts, want = drafting
     turns = prompt_set(path, CONVERSATION_TURNS)
     got, ranks, conversation, metrics = run_engine(
         path, prompts, MAX_TOKENS, logprobs=1, probe=probe("parameter_bytes"), metrics=True,
         conversation={"turns": turns, "max_tokens": CONVERSATION_REPLY},
         engine={"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "distributed_executor_backend": "ray",
-                "max_num_seqs": 3, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+                "enable_expert_parallel": True, "max_num_seqs": 3,
+                "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
         env={"RAY_ADDRESS": two_node_ray_cluster.address, "VLLM_PP_LAYER_PARTITION": "2,3"})
     assert_parity(got, want)
     # ranks in TP-major order: stage 0's two ranks on one node, stage 1's on the other
     assert [r["layers"] for r in ranks] == [[0, 1], [0, 1], [2, 3, 4], [2, 3, 4]]
+    assert [(r["experts_per_block"], r["first_experts"]) for r in ranks] == [([4], [0]), ([4], [4])] * 2
     nodes = [r["ray_node"] for r in ranks]
     assert None not in nodes and nodes[0] == nodes[1] != nodes[2] == nodes[3], f"ranks ran on Ray nodes {nodes}"
     # each node's two ranks bound to one core each: the main thread's mask, one compute thread, every thread started

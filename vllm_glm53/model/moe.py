@@ -111,7 +111,6 @@ class Glm5NextMoE(nn.Module):
             out = tensor_model_parallel_all_reduce(out)
         return out
 
-
     def forward_across_dp(self, x: torch.Tensor) -> torch.Tensor:
         """Expert parallel over DP x TP ranks. Every DP rank's hidden states are all-gathered (each padded to the
         step's largest count, which vLLM agreed on before the step: ``dp_token_counts`` reads it from the forward
