@@ -281,6 +281,13 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
         const int64_t S = lens[r], q0 = qs[r], q_len = qs[r + 1] - q0, cols = (S + kp - 1) / kp;
         const int64_t p1 = std::min(p0 + kPoolChunk, S / kp);
         for (int64_t p = p0; p < p1; ++p) pooled[p - p0] = pooled_key(r, p);
+        // Each key sits in its own cache row (one row in kp is read), so the hardware prefetcher sees no stream:
+        // all of the chunk's key lines are requested before any is scored, so that their memory latencies overlap
+        // (scoring one key at a time waited for its lines one key after another).
+        for (int64_t p = 0; p < p1 - p0; ++p) {
+          const char* key = reinterpret_cast<const char*>(pooled[p]);
+          for (int64_t b = 0; b < dI * static_cast<int64_t>(sizeof(scalar_t)); b += 64) __builtin_prefetch(key + b, 0, 3);
+        }
         float* sc = scores.data() + buf_off[r];
         for (int64_t t = 0; t < q_len; ++t) {
           const int64_t n_cand = (S - q_len + t + 1) / kp;  // pools complete at this query's position
