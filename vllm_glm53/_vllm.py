@@ -395,6 +395,7 @@ def bind_cpu_rank(local_rank: int) -> list[int] | None:
     import os
 
     import torch
+    from vllm.utils.cpu_resource_utils import parse_id_list
 
     spec = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     if spec in ("", "auto", "nobind", "all"):
@@ -403,10 +404,7 @@ def bind_cpu_rank(local_rank: int) -> list[int] | None:
     if local_rank >= len(ranges):
         raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={spec!r} lists {len(ranges)} core ranges, but this Ray node "
                          f"runs local rank {local_rank}: give one range per rank on the node")
-    cpus = []
-    for part in ranges[local_rank].split(","):
-        first, _, last = part.partition("-")
-        cpus += range(int(first), int(last or first) + 1)
+    cpus = parse_id_list(ranges[local_rank])  # vLLM's own reading of a range ("0-2,4")
     _BINDING.update(cpus=cpus, threads_before=set(os.listdir("/proc/self/task")))
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
@@ -424,15 +422,14 @@ def cpu_rank_binding() -> dict | None:
         return None
     cpus = set(_BINDING["cpus"])
     new = set(os.listdir("/proc/self/task")) - _BINDING["threads_before"]
-    loose = []
+    loose = 0
     for tid in new:
         try:
-            if not os.sched_getaffinity(int(tid)) <= cpus:
-                loose.append(int(tid))
+            loose += not os.sched_getaffinity(int(tid)) <= cpus
         except OSError:  # the thread ended
             pass
     return {"cpus": sorted(cpus), "mask": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
-            "new_threads": len(new), "loose_threads": len(loose)}
+            "new_threads": len(new), "loose_threads": loose}
 
 
 def _cpu_ray_executor_class():
