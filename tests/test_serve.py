@@ -76,6 +76,14 @@ def assert_alive(client):
 # ---------------------------------------------------------------------------------------------------------
 
 
+def test_the_log_says_which_model_serves(server):
+    """The plugin's start-up line is written through vLLM's log handlers, with vLLM's format, in the processes
+    that load the model (the engine core's worker here), not only to a logger nobody listens to."""
+    served = [line for line in server["server"].lines if "GLM-5.3 is served by the plugin's model" in line]
+    assert served and all(" INFO " in line for line in served), server["server"].lines[-60:]
+    assert any(line.startswith(("(EngineCore", "(Worker")) for line in served), served
+
+
 def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [NAME]
     assert requests.get(server["url"] + "/health", timeout=10).status_code == 200

@@ -72,15 +72,16 @@ def register() -> list[str]:
     everywhere. Returns the list of what was registered (empty when disabled).
     """
     global _registered
-    from vllm_glm53 import envs
+    from vllm_glm53 import _vllm, envs
 
+    _vllm.use_vllm_log(logger.name)
     if envs.flag("VLLM_GLM53_DISABLE"):
         logger.info("vllm-glm53: VLLM_GLM53_DISABLE is set; nothing registered")
         return []
     if _registered is not None:
         return _registered
 
-    from vllm_glm53 import _vllm, serving
+    from vllm_glm53 import serving
 
     served = serving.decide(_vllm.platform_kind(), envs.VLLM_GLM53_MODEL, _vllm.ascend_glm5next_module())
     done: list[str] = []

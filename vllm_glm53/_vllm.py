@@ -99,6 +99,7 @@ Each entry: why, how, and the upstream change that would retire it.
 from __future__ import annotations
 
 import importlib
+import logging
 
 # ---------------------------------------------------------------------------------------------------------
 # Registries (used by ``vllm_glm53.register``; keep these imports light: register() runs in every process)
@@ -113,6 +114,68 @@ def _first_module(*names: str):
         except ModuleNotFoundError:
             continue
     raise ModuleNotFoundError(f"none of {names} is importable in this vLLM")
+
+
+def use_vllm_log(name: str) -> bool:
+    """Write the ``name`` logger's records as vLLM writes its own. vLLM configures only its ``vllm`` logger
+    (handlers, level, no propagation) and leaves the root logger bare, so under ``vllm serve`` a plugin logger
+    outside that namespace reached no handler and its INFO lines (which model serves and why, which kernels run)
+    were lost. vLLM 0.32 also configures logging in each process only after it has loaded the plugins (importing
+    its model registry loads them), so ``register()``'s own line comes before any ``vllm`` handler exists.
+
+    The logger gets vLLM's level (``VLLM_LOGGING_LEVEL``) and one handler: a record goes to the ``vllm`` logger's
+    handlers as they are when it is written, or, before vLLM has configured any, to a stream handler with vLLM's
+    default format and stream (what vLLM's default configuration is about to install). Where an application (or
+    pytest) has configured the root logger, records reach it by propagation instead, so each line is written once.
+    Nothing changes with ``VLLM_CONFIGURE_LOGGING=0``. Idempotent; returns whether it changed the logger."""
+    import vllm.envs as vllm_envs
+
+    target = logging.getLogger(name)
+    if not vllm_envs.VLLM_CONFIGURE_LOGGING or any(isinstance(h, _VllmLogHandler) for h in target.handlers):
+        return False
+    target.addHandler(_VllmLogHandler())
+    if target.level == logging.NOTSET:
+        target.setLevel(vllm_envs.VLLM_LOGGING_LEVEL)
+    return True
+
+
+def _vllm_default_handler():
+    """A stream handler as vLLM's default logging configuration builds it (format, date format, stream)."""
+    import sys
+
+    import vllm.envs as vllm_envs
+
+    stream = sys.stderr if vllm_envs.VLLM_LOGGING_STREAM == "ext://sys.stderr" else sys.stdout
+    handler = logging.StreamHandler(stream)
+    try:
+        from vllm.logger import DEFAULT_LOGGING_CONFIG
+        from vllm.logging_utils import NewLineFormatter
+
+        spec = DEFAULT_LOGGING_CONFIG["formatters"]["vllm"]
+        handler.setFormatter(NewLineFormatter(spec["format"], spec["datefmt"], log_level=spec.get("log_level")))
+    except (ImportError, KeyError, TypeError):  # another vLLM layout: a plain line with the level
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+    return handler
+
+
+class _VllmLogHandler(logging.Handler):
+    """See :func:`use_vllm_log`."""
+
+    _fallback = None
+
+    def emit(self, record) -> None:
+        if logging.getLogger().handlers:
+            return  # the application's (or pytest's) handlers get it by propagation
+        vllm_logger = logging.getLogger("vllm")
+        if vllm_logger.handlers:
+            if record.levelno >= vllm_logger.getEffectiveLevel():
+                vllm_logger.handle(record)
+            return
+        if _VllmLogHandler._fallback is None:
+            _VllmLogHandler._fallback = _vllm_default_handler()
+        if not hasattr(record, "vllm_process_name"):  # set by vLLM's record factory once it is configured
+            record.vllm_process_name = record.processName
+        _VllmLogHandler._fallback.handle(record)
 
 
 def register_model(arch: str, module: str, cls: str) -> None:
