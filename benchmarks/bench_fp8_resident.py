@@ -2,10 +2,14 @@
 blocks (the part of a step the weight format changes), the memory-bandwidth floor, and resident memory.
 
     .venv/bin/python benchmarks/bench_fp8_resident.py [--experts 64] [--layers 6] [--threads N] [--repeat 7]
+    .venv/bin/python benchmarks/bench_fp8_resident.py --release-shapes   # GLM-5.3-Flash's layer sizes
 
 The geometry is the kernel-friendly tiny config's (hidden 512, dense intermediate 1024, expert intermediate 256:
 vllm_glm53/data/kernel_friendly.json) with many experts (``--experts``, top-8, one shared expert), layer 0 dense
-and the others MoE, block-FP8 with 128 x 128 blocks like the release. The weights are quantized from random
+and the others MoE, block-FP8 with 128 x 128 blocks like the release. ``--release-shapes``: the released model's
+layer sizes (hidden 4096, dense intermediate 12288, expert intermediate 2048: 25 MB per FP8 expert, so each op
+does the work it does in serving rather than paying mostly per-call overheads) with fewer experts and layers
+(32 experts, 1 dense + 2 MoE layers: 1.8 GB of FP8 weights) so that both copies fit in memory. The weights are quantized from random
 values and written to a safetensors file; each side then loads that file as the serving model does:
 
 * ``fp8``: E4M3 bytes and float32 block scales, as ``CpuFp8Experts`` and ``CpuBlockFp8LinearMethod`` keep them;
@@ -261,8 +265,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--release-shapes", action="store_true",
+                        help="hidden 4096, dense intermediate 12288, expert intermediate 2048 (defaults: 32 experts, "
+                             "3 layers)")
     parser.add_argument("--write", help=argparse.SUPPRESS)  # the child that writes the checkpoint
     args = parser.parse_args()
+    if args.release_shapes:
+        global HIDDEN, DENSE_INTER, MOE_INTER
+        HIDDEN, DENSE_INTER, MOE_INTER = 4096, 12288, 2048
+        if "--experts" not in sys.argv:
+            args.experts = 32
+        if "--layers" not in sys.argv:
+            args.layers = 3
     if args.write:
         write_checkpoint(Path(args.write), args.layers, args.experts)
         return
@@ -273,7 +287,8 @@ def main() -> None:
         path = Path(d) / "ffn.safetensors"
         # written by a child process: memory this process freed would be reused by the loads without showing
         subprocess.run([sys.executable, __file__, "--write", str(path), "--layers", str(args.layers),
-                        "--experts", str(args.experts)], check=True)
+                        "--experts", str(args.experts)] + (["--release-shapes"] if args.release_shapes else []),
+                       check=True)
         from safetensors import safe_open
 
         ckpt_bytes = path.stat().st_size
