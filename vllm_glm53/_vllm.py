@@ -545,25 +545,21 @@ def data_parallel_rank() -> tuple[int, int]:
 
 def dp_token_counts(num_tokens: int) -> list[int]:
     """Every DP rank's token count in this forward step, as vLLM agreed on it before the step (the forward
-    context's ``dp_metadata.num_tokens_across_dp_cpu``, a host tensor: no extra synchronisation). Outside a
-    forward context that carries it (never seen in vLLM 0.32's runner with DP and a MoE model), the counts are
-    all-gathered over the DP group's host (gloo) group."""
+    context's ``dp_metadata.num_tokens_across_dp_cpu``, a host tensor: no extra synchronisation). vLLM 0.32's
+    runner sets it on every step of a DP engine, warm-up and dummy batches included; a forward without it is an
+    error naming what is missing (gathering the counts here instead would be a collective the other ranks may
+    not join)."""
     from vllm.distributed.parallel_state import get_dp_group
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
-    group = get_dp_group()
     meta = get_forward_context().dp_metadata if is_forward_context_available() else None
-    if meta is not None:
-        counts = [int(n) for n in meta.num_tokens_across_dp_cpu.tolist()]
-        if counts[group.rank_in_group] != num_tokens:
-            raise RuntimeError(f"this DP rank runs {num_tokens} tokens, vLLM's forward context says {counts}")
-        return counts
-    import torch
-
-    mine = torch.tensor([num_tokens], dtype=torch.int64)
-    out = [torch.zeros_like(mine) for _ in range(group.world_size)]
-    torch.distributed.all_gather(out, mine, group=group.cpu_group)
-    return [int(t.item()) for t in out]
+    if meta is None:
+        raise RuntimeError("vllm-glm53: expert parallel across data-parallel ranks needs vLLM's per-step DP token "
+                           "counts (forward context dp_metadata), and this forward has none")
+    counts = [int(n) for n in meta.num_tokens_across_dp_cpu.tolist()]
+    if counts[get_dp_group().rank_in_group] != num_tokens:
+        raise RuntimeError(f"this DP rank runs {num_tokens} tokens, vLLM's forward context says {counts}")
+    return counts
 
 
 def dp_all_gather(x):
