@@ -113,8 +113,10 @@ def vllm_ascend(tmp_path, monkeypatch):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(q, "QUANTIZATION_METHODS", list(q.QUANTIZATION_METHODS))
-    monkeypatch.setattr(q, "_CUSTOMIZED_METHOD_TO_QUANT_CONFIG", dict(q._CUSTOMIZED_METHOD_TO_QUANT_CONFIG))
+    # The tables are restored in place, not replaced by copies: vLLM's ModelConfig reads them through a lazy
+    # module proxy that keeps the objects it saw first, so a copy bound here was invisible to its detection loop
+    # whenever an earlier test in this process had built an engine config (the detection test then failed).
+    methods, configs = list(q.QUANTIZATION_METHODS), dict(q._CUSTOMIZED_METHOD_TO_QUANT_CONFIG)
     monkeypatch.setattr(type(current_platform), "supported_quantization", list(NPU_QUANTIZATION))
     monkeypatch.setattr(_vllm, "platform_kind", lambda: "npu")
     monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu.make_fake())
@@ -122,6 +124,9 @@ def vllm_ascend(tmp_path, monkeypatch):
     yield importlib.import_module("vllm_ascend.device.device_config")
     for name in [m for m in sys.modules if m == "vllm_ascend" or m.startswith("vllm_ascend.")]:
         del sys.modules[name]
+    q.QUANTIZATION_METHODS[:] = methods
+    q._CUSTOMIZED_METHOD_TO_QUANT_CONFIG.clear()
+    q._CUSTOMIZED_METHOD_TO_QUANT_CONFIG.update(configs)
 
 
 def _register(monkeypatch, caplog) -> list[str]:
