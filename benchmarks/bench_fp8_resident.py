@@ -8,9 +8,10 @@ The geometry is the kernel-friendly tiny config's (hidden 512, dense intermediat
 vllm_glm53/data/kernel_friendly.json) with many experts (``--experts``, top-8, one shared expert), layer 0 dense
 and the others MoE, block-FP8 with 128 x 128 blocks like the release. ``--release-shapes``: the released model's
 layer sizes (hidden 4096, dense intermediate 12288, expert intermediate 2048: 25 MB per FP8 expert, so each op
-does the work it does in serving rather than paying mostly per-call overheads) with fewer experts and layers
-(32 experts, 1 dense + 2 MoE layers: 1.8 GB of FP8 weights) so that both copies fit in memory. The weights are quantized from random
-values and written to a safetensors file; each side then loads that file as the serving model does:
+does the work it does in serving rather than paying mostly per-call overheads) with fewer experts and layers by
+default (32 experts, 1 dense + 2 MoE layers: 1.8 GB of FP8 weights) so that both copies fit in memory. The
+weights are quantized from random values and written to a safetensors file; each side then loads that file as
+the serving model does:
 
 * ``fp8``: E4M3 bytes and float32 block scales, as ``CpuFp8Experts`` and ``CpuBlockFp8LinearMethod`` keep them;
   the step runs the compiled ``moe_experts_fp8`` and ``fp8_linear``;
@@ -260,8 +261,8 @@ def check(fp8: Fp8Side, bf16: Bf16Side, layers, experts, T) -> tuple[float, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--experts", type=int, help="default 64 (32 with --release-shapes)")
+    parser.add_argument("--layers", type=int, help="default 6 (3 with --release-shapes)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
@@ -273,10 +274,8 @@ def main() -> None:
     if args.release_shapes:
         global HIDDEN, DENSE_INTER, MOE_INTER
         HIDDEN, DENSE_INTER, MOE_INTER = 4096, 12288, 2048
-        if "--experts" not in sys.argv:
-            args.experts = 32
-        if "--layers" not in sys.argv:
-            args.layers = 3
+    args.experts = args.experts or (32 if args.release_shapes else 64)
+    args.layers = args.layers or (3 if args.release_shapes else 6)
     if args.write:
         write_checkpoint(Path(args.write), args.layers, args.experts)
         return
