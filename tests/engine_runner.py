@@ -26,8 +26,8 @@ Each engine scenario runs in its own process, which keeps tests independent of e
 single-rank engine runs its engine core and worker inside that process (vLLM's in-process engine,
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and its ``uni`` executor): the model, the plugin and vLLM's scheduler and
 runner are the same code, and the scenario starts in about half the time on 2 cores (two interpreters fewer
-importing vLLM). Engines of several ranks (TP, PP, DP), a spec naming its executor, and ``"processes": true``
-keep vLLM's own process layout, which the serving tests (``vllm serve``) exercise as users run it.
+importing vLLM). Engines of several ranks (TP, PP, DP) and a spec naming its executor keep vLLM's own process
+layout, which the serving tests (``vllm serve``) also exercise as users run it.
 """
 
 import functools
@@ -85,7 +85,7 @@ def main(spec_path: str, out_path: str) -> None:
     engine = dict(max_model_len=1024, enforce_eager=True, dtype="float32")
     engine.update(spec.get("engine", {}))
     ranks = [engine.get(k, 1) for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")]
-    if not spec.get("processes") and "distributed_executor_backend" not in engine and ranks == [1, 1, 1]:
+    if "distributed_executor_backend" not in engine and ranks == [1, 1, 1]:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         engine["distributed_executor_backend"] = "uni"
     from vllm import LLM, SamplingParams
