@@ -24,6 +24,15 @@ constexpr int kTok = kVectorRegs >= 32 ? 4 : 2;
 constexpr int64_t kRowsPerTask = 16;        // weight rows per parallel task (a multiple of kLanes: see below)
 constexpr int64_t kAhead = 1;               // prefetch distance in row pairs
 constexpr int64_t kChunkBytes = 128 << 10;  // float32 token rows a task works through per pass over its rows
+
+// E4M3 rows read as value * kE4m3Unit (vec.h), so a direct-path token row is multiplied by its block scales
+// divided by kE4m3Unit. Where that factor is large (avx2: 2^120) a token value times its scale of 2^8 or more
+// would overflow float32, so the tokens take 2^64 of it and each finished dot product the rest (kE4m3SumScale).
+// Both are powers of two, so every product and partial sum is the unit-2^-8 path's times 2^-56 and rounds as it
+// does (products of a magnitude below 2^-70, which would turn subnormal, aside): the avx512 path's sums.
+constexpr float kE4m3SumScale = kE4m3Unit < 0x1p-64f ? 1.0f / (kE4m3Unit * 0x1p64f) : 1.0f;
+constexpr float kE4m3TokenScale = 1.0f / (kE4m3Unit * kE4m3SumScale);
+
 // Tokens up to which block-FP8 products take the direct path. Each further group of kTok tokens converts the
 // E4M3 rows again (from L1: a row pair is a few KiB), against one float32 row write and re-read per row in the
 // tile path; two groups is about where the two cost the same.
@@ -39,7 +48,8 @@ inline int64_t token_chunk(int64_t len, int64_t bytes = kChunkBytes) {
 
 // acc[r][j] = dot(rows[r], xs[j]) over len values for R rows and N tokens (float32 sums). ``ahead`` (or null):
 // R rows to prefetch meanwhile, the ones the caller reads next. W: float, bfloat16, float16 or E4m3 (whose rows
-// then read as value * 2^-8: the caller scales the tokens, see scale_by_blocks).
+// then read as value * kE4m3Unit: the caller scales the tokens, see scale_by_blocks, and the sums are multiplied
+// by kE4m3SumScale here).
 // Never inlined: inside the kernels' large parallel bodies GCC kept an accumulator and the E4M3 mask on the
 // stack (a store and two reloads per lane group); compiled on its own the loop keeps them in registers, about
 // 1.25x faster on the E4M3 decode path (one call per row pair: the call itself is noise).
@@ -61,7 +71,10 @@ template <int R, int N, typename W>
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < N; ++j) acc[r][j] = reduce_add(s[r][j]);
+    for (int j = 0; j < N; ++j) {
+      acc[r][j] = reduce_add(s[r][j]);
+      if constexpr (std::is_same_v<W, E4m3>) acc[r][j] *= kE4m3SumScale;
+    }
 }
 
 // The same for 1..N tokens (n picks the instantiation).
@@ -93,30 +106,35 @@ inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const*
 // Block sizes are multiples of kLanes (checked by the ops), so a lane group never straddles two blocks, and a
 // task's kRowsPerTask rows, starting at a multiple of kRowsPerTask inside a part, lie in one row block.
 
-// out[i] = src[i] * scale_row[i / bk] * 2^8, i < len: one row times one row block's scales (the two uses below).
-template <typename T>
-inline void times_block_scales(const T* src, const float* scale_row, int64_t len, int64_t bk, float* out) {
+// out[i] = x[i] * scale_row[i / bk] * kE4m3TokenScale, i < len: a token row times one row block's scales, for
+// the direct path's dot with E4M3 rows read as value * kE4m3Unit.
+inline void scale_by_blocks(const float* x, const float* scale_row, int64_t len, int64_t bk, float* out) {
   for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
-    const F16 s = set1(scale_row[kb] / kE4m3Unit);
+    const F16 s = set1(scale_row[kb] * kE4m3TokenScale);
     const int64_t b1 = std::min(b0 + bk, len);
     for (int64_t i = b0; i < b1; i += kLanes) {
       const int m = static_cast<int>(std::min<int64_t>(kLanes, b1 - i));
-      store(out + i, load(src + i, m) * s, m);
+      store(out + i, load(x + i, m) * s, m);
     }
   }
 }
 
-// out[i] = x[i] * scale_row[i / bk] * 2^8, i < len: a token row times one row block's scales, for the direct
-// path's dot with E4M3 rows read as value * 2^-8.
-inline void scale_by_blocks(const float* x, const float* scale_row, int64_t len, int64_t bk, float* out) {
-  times_block_scales(x, scale_row, len, bk, out);
-}
-
-// out[i] = float(w[i]) * scale_row[i / bk], i < len: one weight row dequantized. value * 2^-8 and scale * 2^8
-// are exact, so each product is float(w) * scale rounded once: the float32 values of the reference
-// dequantization (quant/fp8_block.py), bit for bit.
+// out[i] = float(w[i]) * scale_row[i / bk], i < len: one weight row dequantized. Each value is first brought to
+// value * 2^-8 (exact: a power of two, and every E4M3 value times 2^-8 is a normal float32), then multiplied by
+// scale * 2^8 (exact), so each product is float(w) * scale rounded once: the float32 values of the reference
+// dequantization (quant/fp8_block.py), bit for bit, with no overflow for any finite scale below 2^120.
 inline void dequantize_row(const E4m3* w, const float* scale_row, int64_t len, int64_t bk, float* out) {
-  times_block_scales(w, scale_row, len, bk, out);
+  const F16 to_unit8 = set1(0x1p-8f / kE4m3Unit);
+  for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
+    const F16 s = set1(scale_row[kb] * 0x1p8f);
+    const int64_t b1 = std::min(b0 + bk, len);
+    for (int64_t i = b0; i < b1; i += kLanes) {
+      const int m = static_cast<int>(std::min<int64_t>(kLanes, b1 - i));
+      F16 v = load(w + i, m);
+      if constexpr (kE4m3Unit != 0x1p-8f) v = v * to_unit8;
+      store(out + i, v * s, m);
+    }
+  }
 }
 
 // The block sizes and scale grid the block-FP8 ops accept ("what": the op, for the message).

@@ -45,15 +45,20 @@ namespace glm53 {
 constexpr int kLanes = 16;
 
 // A float8_e4m3fn weight byte (torch's layout: sign, 4 exponent bits with bias 7, 3 mantissa bits). load() of
-// E4M3 bytes returns each value times 2^-8 (kE4m3Unit): the byte's low seven bits shifted left by 7, with its
-// sign on top, are a float16 of that value (exponent bias 15 = 7 + 8), subnormals included, so the conversion
-// is two integer operations and the float16 -> float32 instruction, with no table and no special cases.
-// Kernels fold 2^8 into their block scales. The one code that differs: e4m3fn's NaN (0x7F / 0xFF) reads as
-// +-480, a finite value; block-FP8 quantizers never write it (quant/fp8_block.py rejects non-finite weights).
+// E4M3 bytes returns each value times kE4m3Unit, a power of two for which the byte's bits, moved into place, are
+// already that float, subnormals included, so the conversion is a few integer operations with no table and no
+// special cases:
+//   avx512, portable  2^-8: the low seven bits shifted left by 7 with the sign on top are a float16 of value * 2^-8
+//                     (exponent bias 15 = 7 + 8), widened by the float16 -> float32 instruction (the portable
+//                     path tabulates the same 256 values);
+//   avx2              2^-120: the low seven bits shifted left by 20 with the sign on top are a float32 of
+//                     value * 2^-120 (bias 127 = 7 + 120; E4M3 subnormals become float32 subnormals, exactly).
+// Kernels fold 1 / kE4m3Unit into their block scales (gemv.h). The one code that differs: e4m3fn's NaN
+// (0x7F / 0xFF) reads as +-480, a finite value; block-FP8 quantizers never write it (quant/fp8_block.py rejects
+// non-finite weights).
 struct E4m3 {
   uint8_t bits;
 };
-constexpr float kE4m3Unit = 1.0f / 256.0f;
 
 // How many 16-lane vectors the register file holds: the kernels' register tiles (accumulators kept across a
 // loop) are sized so they do not spill.
@@ -68,6 +73,8 @@ constexpr int kVectorRegs = 4;   // xmm0-15 (SSE2), four per vector
 #if GLM53_AVX512
 
 inline const char* isa_name() { return "avx512"; }
+
+constexpr float kE4m3Unit = 0x1p-8f;
 
 // 16 E4M3 bytes -> 16 float16 bit patterns of value * 2^-8 (see E4m3): the sign extension puts the sign in bit
 // 15 and a copy in bit 14, which the mask clears (the top float16 exponent bit stays 0).
@@ -155,12 +162,21 @@ inline F16 exp(F16 x) {
 
 inline const char* isa_name() { return "avx2"; }
 
-// 8 E4M3 bytes in the high bytes of 16-bit lanes -> float16 bit patterns of value * 2^-8 (see E4m3): the
-// arithmetic shift puts the sign in bit 15 and a copy in bit 14, which the mask clears. Unpacking within 128-bit
-// registers instead of the avx512 path's 256-bit sign extension: on AMD Zen the lane-crossing widen and the
-// extract that follows it made the conversion, not memory, bound FP8 decode (2.2x slower per byte, measured).
-inline __m128i e4m3_half_bits(__m128i high_bytes) {
-  return _mm_and_si128(_mm_srai_epi16(high_bytes, 1), _mm_set1_epi16(static_cast<short>(0xBF80)));
+constexpr float kE4m3Unit = 0x1p-120f;
+
+// 16 E4M3 bytes (in both 128-bit halves) -> the float32 bits of bytes kLo..kLo+7 times 2^-120 (see E4m3): the
+// byte shuffle puts byte kLo + k in the top byte of lane k (each half picks its four bytes from its own copy, so
+// nothing crosses the halves), the arithmetic shift moves it down to the exponent and mantissa and copies the
+// sign into bits 31-27, and the mask keeps the copy in bit 31 only. Two shuffle-unit operations per 8 weights,
+// against the float16 route's unpack, shift and two-operation float16 -> float32 conversion: 1.4x the weights per
+// second from cache on AMD Zen 3, where that conversion used to bound FP8 decode (benchmarks/README.md).
+template <int kLo>
+inline __m256 e4m3_floats(__m256i both) {
+  constexpr char z = -1;  // shuffle index with the top bit set: a zero byte
+  const __m256i pick = _mm256_setr_epi8(z, z, z, kLo, z, z, z, kLo + 1, z, z, z, kLo + 2, z, z, z, kLo + 3,
+                                        z, z, z, kLo + 4, z, z, z, kLo + 5, z, z, z, kLo + 6, z, z, z, kLo + 7);
+  const __m256i bits = _mm256_srai_epi32(_mm256_shuffle_epi8(both, pick), 4);
+  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x87FFFFFFu))));
 }
 
 struct F16 {
@@ -210,9 +226,8 @@ inline F16 load(const E4m3* p, int n = kLanes) {
     std::memcpy(buf, p, n);
     b = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
   }
-  const __m128i zero = _mm_setzero_si128();
-  return {_mm256_cvtph_ps(e4m3_half_bits(_mm_unpacklo_epi8(zero, b))),
-          _mm256_cvtph_ps(e4m3_half_bits(_mm_unpackhi_epi8(zero, b)))};
+  const __m256i both = _mm256_broadcastsi128_si256(b);
+  return {e4m3_floats<0>(both), e4m3_floats<8>(both)};
 }
 inline void store(float* p, F16 x, int n = kLanes) {
   if (n >= kLanes) {
@@ -301,6 +316,8 @@ inline F16 exp(F16 x) { return {exp8(x.lo), exp8(x.hi)}; }
 #else  // portable
 
 inline const char* isa_name() { return "portable"; }
+
+constexpr float kE4m3Unit = 0x1p-8f;
 
 struct F16 {
   float v[kLanes];

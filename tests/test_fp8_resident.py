@@ -97,6 +97,22 @@ def test_every_e4m3_code_converts_exactly(M):
     torch.testing.assert_close(got, want[:, torch.arange(M) % 20].t(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("exponent", [-40, 40])
+@pytest.mark.parametrize("M", [1, 9])  # the direct path and the tile path
+def test_block_scales_far_from_one(exponent, M):
+    """The kernels fold the E4M3 read unit (2^-120 on avx2, csrc/vec.h) into the token rows and the sums: token
+    times scale far above 2^8 must not overflow (the whole 2^120 on the tokens would), nor far below 1 lose
+    precision."""
+    gen = _gen(M + exponent)
+    weight, scale = _quantized(200, 320, gen)
+    scale = scale * 2.0**exponent
+    x = torch.randn(M, 320, generator=gen) * 8
+    got = ops.fp8_linear(x, weight, scale, [200], *BLOCK)
+    want = fp8_ops.fp8_linear_torch(x, weight, scale, [200], BLOCK)
+    assert got.isfinite().all()
+    _close(got, want, ulps=16)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Dense linears
 # ---------------------------------------------------------------------------------------------------------
