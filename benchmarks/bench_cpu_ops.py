@@ -22,11 +22,11 @@ Columns:
   cache in place and touch only the bytes the op needs;
 * ``floor``: the bytes the op must move at this machine's measured bandwidth for that kind of traffic: the KDA
   states are read and written back in place (bandwidth of an in-place ``mul_`` over a large buffer, read +
-  written bytes per second); selected latent rows and the indexer's pooled keys (one row slice per complete
-  pool) are only read (bandwidth of a large ``sum``). ``x floor`` = compiled time / floor. Selected latent rows
-  are scattered over the cache, one 2 KiB row per page at random: for them a second floor, ``scattered floor``,
-  uses the rate at which torch's own ``index_select`` fetches random 2 KiB rows from a working set of the same
-  size.
+  written bytes per second); selected latent rows and the indexer's pooled keys (one key per complete pool,
+  contiguous within a page) are only read (bandwidth of a large ``sum``). ``x floor`` = compiled time / floor.
+  Selected latent rows are scattered over the cache, one 2 KiB row per page at random: for them a second floor,
+  ``scattered floor``, uses the rate at which torch's own ``index_select`` fetches random 2 KiB rows from a
+  working set of the same size.
 
 Before timing, each compiled op's output is checked against its torch column (a benchmark of a wrong answer
 measures nothing).
@@ -54,6 +54,7 @@ import torch
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import kda, kernels, mhc, moe
 from vllm_glm53.backends.cpu import sparse_mla as mla
+from vllm_glm53.backends.pages import page_views
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
 
 WORKING_SET = 512 << 20  # bytes of the bandwidth probes: many times a 32 MiB L3
@@ -186,18 +187,19 @@ def bench_kda_prefill(H: int, d: int, lengths: list[int], repeat: int, ops) -> l
 
 
 class PagedCache:
-    """``B`` sequences of ``S`` tokens in shuffled 128-token pages of ``[latent 512 | key 128 | gate 128]`` rows,
-    ``copies`` times over (each copy's block tables point at its own pages). The values are random: the indexer
-    reads the key slot of each pool's last row as that pool's stored key."""
+    """``B`` sequences of ``S`` tokens in shuffled 128-token pages laid out as the plugin's latent cache (latent 512,
+    then the block's pooled indexer keys of 128, then raw keys and gates: backends/latent_cache.py), ``copies``
+    times over (each copy's block tables point at its own pages). The values are random: the indexer reads the
+    pooled-key region as the stored keys."""
 
     L, dI, nI, topk, kp, block = 512, 128, 4, 64, 4, 128
+    ROW = L + -(-dI * (2 * kp - 1) // kp)  # config.TextArch.cache_row_size
 
     def __init__(self, B: int, S: int, copies: int):
-        row = self.L + 2 * self.dI
         nb = -(-S // self.block)
         self.copies = copies
         total = copies * B * nb
-        self.pages = torch.randn(total, self.block, row) * 0.5
+        self.pages = page_views(torch.randn(total, self.block, self.ROW) * 0.5, self.L, self.dI, self.kp)
         self.tables = torch.randperm(total).view(copies, B, nb).to(torch.int32)
         self.B, self.S = B, S
         self.starts = list(range(B + 1))
@@ -206,7 +208,7 @@ class PagedCache:
 
     @classmethod
     def bytes_per_copy(cls, B: int, S: int) -> int:
-        return B * -(-S // cls.block) * cls.block * (cls.L + 2 * cls.dI) * 4
+        return B * -(-S // cls.block) * cls.block * cls.ROW * 4
 
     def table(self, i: int) -> torch.Tensor:
         return self.tables[i % self.copies]
@@ -260,11 +262,11 @@ def bench_sparse_mla(H: int, B: int, contexts: list[int], bw: float, repeat: int
         idx = [cache.indices(gen) for _ in range(2 * (repeat + 1))]  # fresh rows for every call
 
         def torch_call(i):
-            return sparse_mla_gather_torch(q, cache.pages, cache.table(i), idx[i], scale, L)
+            return sparse_mla_gather_torch(q, cache.pages.latent, cache.table(i), idx[i], scale, L)
 
         def compiled_call(i):
-            return mla.sparse_latent_attention_paged.implementation("compiled")(q, cache.pages, cache.plan(i), idx[i],
-                                                                                scale, L)
+            return mla.sparse_latent_attention_paged.implementation("compiled")(q, cache.pages.latent, cache.plan(i),
+                                                                                idx[i], scale, L)
 
         t_comp = None
         if ops is not None:
@@ -296,7 +298,7 @@ def bench_indexer(B: int, contexts: list[int], bw: float, repeat: int, ops) -> l
 
         def select(impl):
             fn = ix.select_batch.implementation(impl)
-            return lambda i: fn(q, w, cache.pages, cache.plan(i), c.L, c.topk, c.kp)
+            return lambda i: fn(q, w, cache.pages.pooled, cache.plan(i), c.topk, c.kp)
 
         t_comp = None
         if ops is not None:

@@ -1,7 +1,8 @@
 // Lightning indexer with k-pool compression on CPU: pool compression, pool scores and top-k selection, per
 // sequence (the contracts of vllm_glm53/backends/cpu/indexer.py) and fused over a batch read straight from
-// the paged latent cache: the step's pool-completing rows get their pool's compressed key when they are written
-// (store_pooled_keys), and the selection reads that one row per complete pool (indexer_select).
+// the paged latent cache (page layout: vllm_glm53/backends/latent_cache.py): a pool's compressed key is stored
+// when its last token is written (store_pooled_keys), and the selection reads a page's pooled keys, contiguous,
+// as one stream (indexer_select).
 //
 // Exact ties between pool scores are common (ReLU makes many scores exactly 0) and transformers breaks them
 // with torch.topk over its row layout, so selection here calls the very same at::topk on the same row layout
@@ -167,81 +168,76 @@ at::Tensor select_tokens(const std::optional<at::Tensor>& scores, const at::Tens
   return out;
 }
 
-// The step's rows that complete a pool get the pool's compressed key. rows [num_blocks, block_size, R] holds
-// per token the indexer key at [key_offset, key_offset + dI) and the pooling gate logits right after it, this
-// step's rows already written; block_table [num_reqs, max_blocks]; query_start_loc [num_reqs + 1];
-// context_lens [num_reqs] (tokens cached before this step); slot_mapping [T] (-1: padding, not stored); ape
-// [kp, dI]. For each stored token at position s with s % kp == kp - 1, K_p is computed from the raw keys and
-// gates of positions s - kp + 1 .. s (float32, as kpool_compress) and stored, in the cache dtype, over that
-// token's key; its gate slot keeps a value nothing reads. Pools are disjoint, so each work item reads rows no
-// other one writes.
-void store_pooled_keys(at::Tensor& rows, const at::Tensor& block_table_, const at::Tensor& query_start_loc_,
-                       const at::Tensor& context_lens_, const at::Tensor& slot_mapping_, const at::Tensor& ape_,
-                       int64_t key_offset) {
-  at::Tensor ape = float_contiguous(ape_);
-  at::Tensor bt = block_table_.to(at::kLong).contiguous(), qsl = query_start_loc_.to(at::kLong).contiguous();
-  at::Tensor ctx = context_lens_.to(at::kLong).contiguous(), slots = slot_mapping_.to(at::kLong).contiguous();
-  TORCH_CHECK(rows.dim() == 3 && rows.stride(2) == 1, "store_pooled_keys: rows must be [blocks, block_size, R]");
-  const int64_t kp = ape.size(0), dI = ape.size(1);
+// The step's tokens that complete a pool store the pool's compressed key. pooled [num_blocks, pools, dI] and raw
+// [num_blocks, pools, kp - 1, 2 dI] are the pages' regions (pools = block_size / kp), this step's raw inputs
+// already written; key_gate [T, 2 dI] the step's raw key and gate logits per token (cache dtype); slot_mapping
+// [T] (-1: padding, not stored); ape [kp, dI]. A stored token whose slot is the last of a pool (slot % kp ==
+// kp - 1) completes it: K_p is computed from the pool's kp - 1 raw inputs in the page and the token's own
+// (float32, as kpool_compress) and stored, in the cache dtype, as that pool's key. Pools are disjoint, so each
+// work item reads inputs no other one writes.
+void store_pooled_keys(at::Tensor& pooled, const at::Tensor& raw, const at::Tensor& key_gate_,
+                       const at::Tensor& slot_mapping_, const at::Tensor& ape_) {
+  at::Tensor ape = float_contiguous(ape_), slots = slot_mapping_.to(at::kLong).contiguous();
+  TORCH_CHECK(pooled.dim() == 3 && pooled.stride(2) == 1 && raw.dim() == 4 && raw.stride(3) == 1,
+              "store_pooled_keys: pooled must be [blocks, pools, dI] and raw [blocks, pools, kp - 1, 2 dI]");
+  const int64_t kp = ape.size(0), dI = ape.size(1), n_blocks = pooled.size(0), pools = pooled.size(1);
   TORCH_CHECK(kp <= kMaxPool, "store_pooled_keys: pool size ", kp, " above ", kMaxPool);
-  TORCH_CHECK(key_offset + 2 * dI <= rows.size(2), "store_pooled_keys: key and gate do not fit in a cache row");
-  const int64_t n_req = ctx.size(0), block_size = rows.size(1), n_blocks = rows.size(0), max_blocks = bt.size(1);
-  const int64_t n_slots = slots.size(0);
-  const int64_t *qs = qsl.data_ptr<int64_t>(), *cl = ctx.data_ptr<int64_t>(), *btp = bt.data_ptr<int64_t>();
+  TORCH_CHECK(pooled.size(2) == dI && raw.size(2) == kp - 1 && raw.size(3) == 2 * dI && raw.size(1) == pools,
+              "store_pooled_keys: page regions do not match pools of ", kp, " keys of ", dI);
+  TORCH_CHECK(raw.scalar_type() == pooled.scalar_type(), "store_pooled_keys: pooled and raw dtypes differ");
+  at::Tensor key_gate = key_gate_.to(pooled.scalar_type());
+  key_gate = key_gate.stride(-1) == 1 ? key_gate : key_gate.contiguous();
+  TORCH_CHECK(key_gate.dim() == 2 && key_gate.size(1) == 2 * dI && key_gate.size(0) >= slots.size(0),
+              "store_pooled_keys: key_gate must be [T, 2 dI] for every slot");
   const int64_t* sp = slots.data_ptr<int64_t>();
 
-  // (request, batch token) of every stored token that completes a pool.
-  std::vector<std::pair<int64_t, int64_t>> items;
-  for (int64_t r = 0; r < n_req; ++r)
-    for (int64_t t = qs[r]; t < std::min(qs[r + 1], n_slots); ++t)
-      if (sp[t] >= 0 && (cl[r] + t - qs[r]) % kp == kp - 1) items.emplace_back(r, t);
+  std::vector<int64_t> items;  // batch tokens that complete a pool
+  for (int64_t t = 0; t < slots.size(0); ++t)
+    if (sp[t] >= 0 && sp[t] % kp == kp - 1) items.push_back(t);
 
-  GLM53_DISPATCH_FLOAT_TYPES(rows.scalar_type(), "store_pooled_keys", [&] {
-    scalar_t* base = rows.data_ptr<scalar_t>();
-    auto row_at = [&](int64_t blk, int64_t offset) {
-      TORCH_CHECK(blk >= 0 && blk < n_blocks, "store_pooled_keys: block id ", blk, " outside the cache");
-      return base + blk * rows.stride(0) + offset * rows.stride(1) + key_offset;
-    };
+  GLM53_DISPATCH_FLOAT_TYPES(pooled.scalar_type(), "store_pooled_keys", [&] {
+    scalar_t* pbase = pooled.data_ptr<scalar_t>();
+    const scalar_t* rbase = raw.data_ptr<scalar_t>();
+    const scalar_t* kg = key_gate.data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(items.size()), 16, [&](int64_t i0, int64_t i1) {
-      std::vector<float> pooled(dI);
+      std::vector<float> out(dI);
       const scalar_t* krow[kMaxPool];
       const scalar_t* grow[kMaxPool];
       for (int64_t i = i0; i < i1; ++i) {
-        const auto [r, t] = items[i];
-        const int64_t first = cl[r] + t - qs[r] - (kp - 1);
-        for (int64_t j = 0; j < kp; ++j) {
-          const int64_t s = first + j;
-          TORCH_CHECK(s / block_size < max_blocks, "store_pooled_keys: block table too short");
-          krow[j] = row_at(btp[r * max_blocks + s / block_size], s % block_size);
-          grow[j] = krow[j] + dI;
-        }
-        compress_pool(krow, grow, ape.data_ptr<float>(), kp, dI, pooled.data());
-        scalar_t* dst = row_at(sp[t] / block_size, sp[t] % block_size);
+        const int64_t t = items[i], blk = sp[t] / (pools * kp), pool = sp[t] % (pools * kp) / kp;
+        TORCH_CHECK(blk < n_blocks, "store_pooled_keys: slot ", sp[t], " outside the cache");
+        for (int64_t j = 0; j + 1 < kp; ++j)
+          krow[j] = rbase + blk * raw.stride(0) + pool * raw.stride(1) + j * raw.stride(2);
+        krow[kp - 1] = kg + t * key_gate.stride(0);
+        for (int64_t j = 0; j < kp; ++j) grow[j] = krow[j] + dI;
+        compress_pool(krow, grow, ape.data_ptr<float>(), kp, dI, out.data());
+        scalar_t* dst = pbase + blk * pooled.stride(0) + pool * pooled.stride(1);
         for (int64_t c = 0; c < dI; c += kLanes) {
           const int m = static_cast<int>(std::min<int64_t>(kLanes, dI - c));
-          store(dst + c, load(pooled.data() + c, m), m);
+          store(dst + c, load(out.data() + c, m), m);
         }
       }
     });
   });
 }
 
-// The whole batch at once, reading the paged cache. rows [num_blocks, block_size, R] holds at [key_offset,
-// key_offset + dI) of the last row of every complete pool that pool's compressed key (store_pooled_keys);
+// The whole batch at once, reading the paged cache. pooled [num_blocks, pools, dI] holds the compressed key of
+// every complete pool (store_pooled_keys), pool p of a request in slot p % pools of its block p / pools;
 // block_table [num_reqs, max_blocks]; query_start_loc [num_reqs + 1]; seq_lens [num_reqs] (tokens including
 // this step's). Request r's queries are its last q_len positions. q [T, nI, dI], weights [T, nI]. Returns [T,
 // width] int64, positions within each request, rows ascending, -1 padded: equal to scoring each request with
 // index_scores over transformers' row layout and calling select_tokens.
-at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::Tensor& rows,
+at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::Tensor& pooled,
                           const at::Tensor& block_table_, const at::Tensor& query_start_loc_,
-                          const at::Tensor& seq_lens_, int64_t key_offset, int64_t topk, int64_t kp, bool tail) {
+                          const at::Tensor& seq_lens_, int64_t topk, int64_t kp, bool tail) {
   at::Tensor q = float_contiguous(q_), w = float_contiguous(w_);
   at::Tensor bt = block_table_.to(at::kLong).contiguous();
   at::Tensor qsl = query_start_loc_.to(at::kLong).contiguous(), sl = seq_lens_.to(at::kLong).contiguous();
-  TORCH_CHECK(rows.dim() == 3 && rows.stride(2) == 1, "indexer_select: rows must be [blocks, block_size, R]");
+  TORCH_CHECK(pooled.dim() == 3 && pooled.stride(2) == 1, "indexer_select: pooled must be [blocks, pools, dI]");
   const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2);
-  TORCH_CHECK(key_offset + dI <= rows.size(2), "indexer_select: the key does not fit in a cache row");
-  const int64_t n_req = sl.size(0), block_size = rows.size(1), n_blocks = rows.size(0), max_blocks = bt.size(1);
+  TORCH_CHECK(pooled.size(2) == dI, "indexer_select: pooled keys of ", pooled.size(2), " values for queries of ", dI);
+  const int64_t n_req = sl.size(0), pools = pooled.size(1), block_size = pools * kp, n_blocks = pooled.size(0);
+  const int64_t max_blocks = bt.size(1);
   const int64_t width = index_width(topk, kp, tail);
   const float scale = static_cast<float>(std::pow(static_cast<double>(dI), -0.5));
   const int64_t *qs = qsl.data_ptr<int64_t>(), *lens = sl.data_ptr<int64_t>(), *btp = bt.data_ptr<int64_t>();
@@ -265,27 +261,25 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
   }
   std::vector<float> scores(buf_off[n_req], kLowest);
 
-  GLM53_DISPATCH_FLOAT_TYPES(rows.scalar_type(), "indexer_select", [&] {
-    const scalar_t* base = rows.data_ptr<scalar_t>();
-    // Pool p's compressed key: the key slot of its last row, position p * kp + kp - 1.
+  GLM53_DISPATCH_FLOAT_TYPES(pooled.scalar_type(), "indexer_select", [&] {
+    const scalar_t* base = pooled.data_ptr<scalar_t>();
+    // Pool p's compressed key: slot p % pools of the pooled keys of the request's block p / pools.
     auto pooled_key = [&](int64_t r, int64_t p) {
-      const int64_t s = p * kp + kp - 1;
-      const int64_t blk = btp[r * max_blocks + s / block_size];
+      const int64_t blk = btp[r * max_blocks + p / pools];
       TORCH_CHECK(blk >= 0 && blk < n_blocks, "indexer_select: block id ", blk, " outside the cache");
-      return base + blk * rows.stride(0) + (s % block_size) * rows.stride(1) + key_offset;
+      return base + blk * pooled.stride(0) + (p % pools) * pooled.stride(1);
     };
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
-      const scalar_t* pooled[kPoolChunk];
+      const scalar_t* keys[kPoolChunk];
       for (int64_t i = i0; i < i1; ++i) {
         const auto [r, p0] = items[i];
         const int64_t S = lens[r], q0 = qs[r], q_len = qs[r + 1] - q0, cols = (S + kp - 1) / kp;
         const int64_t p1 = std::min(p0 + kPoolChunk, S / kp);
-        for (int64_t p = p0; p < p1; ++p) pooled[p - p0] = pooled_key(r, p);
-        // Each key sits in its own cache row (one row in kp is read), so the hardware prefetcher sees no stream:
-        // all of the chunk's key lines are requested before any is scored, so that their memory latencies overlap
-        // (scoring one key at a time waited for its lines one key after another).
+        for (int64_t p = p0; p < p1; ++p) keys[p - p0] = pooled_key(r, p);
+        // A chunk's keys lie in one or two pages (pages hold whole pools, contiguous): its lines are requested
+        // before any key is scored, so that the first reads of each page overlap.
         for (int64_t p = 0; p < p1 - p0; ++p) {
-          const char* key = reinterpret_cast<const char*>(pooled[p]);
+          const char* key = reinterpret_cast<const char*>(keys[p]);
           for (int64_t b = 0; b < dI * static_cast<int64_t>(sizeof(scalar_t)); b += 64) __builtin_prefetch(key + b, 0, 3);
         }
         float* sc = scores.data() + buf_off[r];
@@ -294,7 +288,7 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
           const float* qt = q.data_ptr<float>() + (q0 + t) * nI * dI;
           const float* wt = w.data_ptr<float>() + (q0 + t) * nI;
           for (int64_t p = p0; p < std::min(p1, n_cand); ++p)
-            sc[t * cols + p] = pool_score(pooled[p - p0], qt, wt, nI, dI, scale);
+            sc[t * cols + p] = pool_score(keys[p - p0], qt, wt, nI, dI, scale);
         }
       }
     });

@@ -21,13 +21,11 @@ at::Tensor kpool_compress(const at::Tensor& k, const at::Tensor& gate, const at:
 at::Tensor index_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& pooled);
 at::Tensor select_tokens(const std::optional<at::Tensor>& scores, const at::Tensor& positions, int64_t topk,
                          int64_t kp, bool always_select_tail);
-void store_pooled_keys(at::Tensor& rows, const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                       const at::Tensor& context_lens, const at::Tensor& slot_mapping, const at::Tensor& ape,
-                       int64_t key_offset);
-at::Tensor indexer_select(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& rows,
+void store_pooled_keys(at::Tensor& pooled, const at::Tensor& raw, const at::Tensor& key_gate,
+                       const at::Tensor& slot_mapping, const at::Tensor& ape);
+at::Tensor indexer_select(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& pooled,
                           const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                          const at::Tensor& seq_lens, int64_t key_offset, int64_t topk, int64_t kp,
-                          bool always_select_tail);
+                          const at::Tensor& seq_lens, int64_t topk, int64_t kp, bool always_select_tail);
 at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& rows, const at::Tensor& block_table,
                                    const at::Tensor& query_start_loc, const at::Tensor& indices, double scale,
                                    int64_t latent_dim);
@@ -59,10 +57,9 @@ TORCH_LIBRARY(vllm_glm53, m) {
   m.def("kpool_compress(Tensor k, Tensor gate, Tensor ape) -> Tensor");
   m.def("index_scores(Tensor q, Tensor weights, Tensor pooled) -> Tensor");
   m.def("select_tokens(Tensor? scores, Tensor positions, int topk, int kp, bool always_select_tail) -> Tensor");
-  m.def("store_pooled_keys(Tensor(a!) rows, Tensor block_table, Tensor query_start_loc, Tensor context_lens,"
-        " Tensor slot_mapping, Tensor ape, int key_offset) -> ()");
-  m.def("indexer_select(Tensor q, Tensor weights, Tensor rows, Tensor block_table, Tensor query_start_loc,"
-        " Tensor seq_lens, int key_offset, int topk, int kp, bool always_select_tail) -> Tensor");
+  m.def("store_pooled_keys(Tensor(a!) pooled, Tensor raw, Tensor key_gate, Tensor slot_mapping, Tensor ape) -> ()");
+  m.def("indexer_select(Tensor q, Tensor weights, Tensor pooled, Tensor block_table, Tensor query_start_loc,"
+        " Tensor seq_lens, int topk, int kp, bool always_select_tail) -> Tensor");
   m.def("sparse_latent_attention(Tensor q_lat, Tensor rows, Tensor block_table, Tensor query_start_loc,"
         " Tensor indices, float scale, int latent_dim) -> Tensor");
   m.def("mhc_rms_norm(Tensor X, float eps) -> Tensor");

@@ -37,6 +37,7 @@ import torch
 from vllm_glm53.backends.cpu import build, kda, kernels, mhc, moe
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import sparse_mla as mla
+from vllm_glm53.backends.pages import page_views, write_tokens
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
 
 ops = kernels.ops()
@@ -314,14 +315,18 @@ def _prompt_plan(seq_lens, table, block_size):
                            max(seq_lens))
 
 
+def _row_size(L, dI, kp):
+    return L + -(-dI * (2 * kp - 1) // kp)  # config.TextArch.cache_row_size
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_pooled_keys_matches_torch(dtype):
     """The mixed batch's new tokens (decodes, prefill chunks, one whose first pool started in the cached context,
     a request without tokens, padded slots): both forms store the same pooled keys and touch nothing else."""
     kp, dI, lead, bs = 4, 21, 10, 8
-    row = lead + 2 * dI + 2
     gen = _gen(24)
-    pages, table = _paged(SEQ_LENS, row, bs, dtype, 25, lambda r, S: torch.randn(S, row, generator=gen))
+    cache, table = _paged(SEQ_LENS, _row_size(lead, dI, kp), bs, dtype, 25,
+                          lambda r, S: torch.randn(S, _row_size(lead, dI, kp), generator=gen))
     starts = _batch_meta(Q_LENS)
     slots = []
     for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
@@ -331,19 +336,22 @@ def test_store_pooled_keys_matches_torch(dtype):
     slots[[3, starts[6] + 7]] = -1  # not stored: a decode, and a chunk token completing a pool
     plan = dataclasses.replace(_latent_plan(Q_LENS, SEQ_LENS, table), slot_mapping=slots)
     ape = torch.randn(kp, dI, generator=gen)
-    want, got = pages.clone(), pages.clone()
-    ix.store_pooled_keys.implementation("torch")(want, plan, ape, lead)
-    ix.store_pooled_keys.implementation("compiled")(got, plan, ape, lead)
+    key_gate = torch.randn(len(slots), 2 * dI, generator=gen).to(dtype)
+    want, got = cache.clone(), cache.clone()
+    ix.store_pooled_keys.implementation("torch")(page_views(want, lead, dI, kp), plan, key_gate, ape)
+    ix.store_pooled_keys.implementation("compiled")(page_views(got, lead, dI, kp), plan, key_gate, ape)
     # Pools completed: the decode at 19; 11 in the 45-token prompt, one not stored; 8 in the 30-token chunk at
     # 47..76, the first (44..47) started in the cached context.
-    assert (want != pages).any(-1).sum() == 1 + 10 + 8
-    keys = slice(lead, lead + dI)
-    others = torch.ones(row, dtype=torch.bool)
-    others[keys] = False
-    assert torch.equal(got[..., others], pages[..., others])
+    before = page_views(cache, lead, dI, kp).pooled
+    assert (page_views(want, lead, dI, kp).pooled != before).any(-1).sum() == 1 + 10 + 8
+    keys = page_views(got, lead, dI, kp).pooled
+    changed = (keys != before).any(-1)
+    rest = cache.clone()
+    page_views(rest, lead, dI, kp).pooled[changed] = keys[changed]
+    assert torch.equal(got, rest)  # nothing but the completed pools' keys
     # measured (ulps of max|reference|, avx2 / portable): float32 as kpool_compress; bfloat16 at most one rounding
     # step apart
-    _close(got[..., keys], want[..., keys], ulps=6 if dtype == torch.float32 else 1)
+    _close(keys, page_views(want, lead, dI, kp).pooled, ulps=6 if dtype == torch.float32 else 1)
 
 
 @pytest.mark.parametrize("integer_valued", [True, False])
@@ -352,19 +360,18 @@ def test_select_batch_identical_to_torch(integer_valued, dtype):
     """Integer-valued keys, queries and weights with uniform gates make every score exact in both paths (the
     pooled keys are means of small integers), so ties are everywhere and must break identically; random values
     check the general case."""
-    topk, kp, dI, nI, lead = 16, 4, 16, 3, 10
-    row = lead + 2 * dI + 2
+    topk, kp, dI, nI, lead, bs = 16, 4, 16, 3, 10, 8
     gen = _gen(22)
-
-    def fill(r, S):
-        if integer_valued:
-            key = torch.randint(-2, 3, (S, dI), generator=gen).float()
-            gate = torch.zeros(S, dI)  # uniform pooling: means of small integers, exact
-        else:
-            key, gate = torch.randn(S, dI, generator=gen), torch.randn(S, dI, generator=gen)
-        return torch.cat([torch.randn(S, lead, generator=gen), key, gate, torch.randn(S, 2, generator=gen)], 1)
-
-    pages, table = _paged(SEQ_LENS, row, 8, dtype, 23, fill)
+    cache, table = _paged(SEQ_LENS, _row_size(lead, dI, kp), bs, dtype, 23,
+                          lambda r, S: torch.zeros(S, _row_size(lead, dI, kp)))
+    prompts = _prompt_plan(SEQ_LENS, table, bs)
+    if integer_valued:
+        key = torch.randint(-2, 3, (prompts.num_tokens, dI), generator=gen).float()
+        gate = torch.zeros(prompts.num_tokens, dI)  # uniform pooling: means of small integers, exact
+    else:
+        key = torch.randn(prompts.num_tokens, dI, generator=gen)
+        gate = torch.randn(prompts.num_tokens, dI, generator=gen)
+    key_gate = torch.cat([key, gate], 1).to(dtype)
     T = sum(Q_LENS)
     if integer_valued:
         q = torch.randint(-2, 3, (T, nI, dI), generator=gen).float()
@@ -375,8 +382,10 @@ def test_select_batch_identical_to_torch(integer_valued, dtype):
     q = q.to(dtype)
     starts = _batch_meta(Q_LENS)
     plan = _latent_plan(Q_LENS, SEQ_LENS, table)
-    ix.store_pooled_keys.implementation("torch")(pages, _prompt_plan(SEQ_LENS, table, 8), ape, lead)
-    args = (q, w, pages, plan, lead, topk, kp)
+    pages = page_views(cache, lead, dI, kp)
+    write_tokens(pages, prompts.slot_mapping, torch.zeros(prompts.num_tokens, lead), key_gate)
+    ix.store_pooled_keys.implementation("torch")(pages, prompts, key_gate, ape)
+    args = (q, w, pages.pooled, plan, topk, kp)
     want = ix.select_batch.implementation("torch")(*args)
     got = ix.select_batch.implementation("compiled")(*args)
     assert torch.equal(got, want)

@@ -82,6 +82,7 @@ from vllm_glm53.backends.cpu import sparse_mla as mla_cpu  # noqa: E402
 from vllm_glm53.backends.cuda import indexer as ix_gpu  # noqa: E402
 from vllm_glm53.backends.cuda import kda as kda_gpu  # noqa: E402
 from vllm_glm53.backends.cuda import sparse_mla as mla_gpu  # noqa: E402
+from vllm_glm53.backends.pages import page_views, write_tokens  # noqa: E402
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -410,41 +411,54 @@ def paged_plan(lengths, q_lens, table, block_size, unstored=()) -> LatentCachePl
     return LatentCachePlan(**{**fields, "slot_mapping": slots})
 
 
+def page_row(L: int, dI: int) -> int:
+    return L + -(-dI * (2 * KP - 1) // KP)  # config.TextArch.cache_row_size
+
+
 def test_indexer_store_pooled_keys():
     """The pooled keys a step stores: a prompt, a prefill chunk whose first pool started in the cached context,
     decodes completing a pool or not, a request without tokens, a pool-completing token that is not stored."""
     L, dI, bs = 32, 16, 8
     lengths, q_lens = [46, 13, 20, 90, 7], [46, 1, 1, 31, 0]
-    pages, table, _ = paged_cache(lengths, L + 2 * dI + 1, bs, seed=62)
+    cache, table, _ = paged_cache(lengths, page_row(L, dI) + 1, bs, seed=62)
     plan = paged_plan(lengths, q_lens, table, bs, unstored=[7])
-    ape = randn(KP, dI, g=gen(63))
-    want = pages.clone()
-    ix_cpu.store_pooled_keys(want, plan, ape, L)
-    assert (want != pages).any(-1).sum() == 11 - 1 + 1 + 8  # prompt pools (one not stored), decode at 19, chunk
-    got = pages.to(DEVICE)
-    ix_gpu.store_pooled_keys(got, on_plan(plan), ape.to(DEVICE), L)
-    close(got[..., L : L + dI], want[..., L : L + dI], "pooled keys")
+    g = gen(63)
+    ape = randn(KP, dI, g=g)
+    key_gate = torch.cat([randn(plan.num_tokens, dI, g=g), randn(plan.num_tokens, dI, g=g, scale=2.0)], dim=1)
+    want = cache.clone()
+    ix_cpu.store_pooled_keys(page_views(want, L, dI, KP), plan, key_gate, ape)
+    before = page_views(cache, L, dI, KP).pooled
+    changed = (page_views(want, L, dI, KP).pooled != before).any(-1)
+    assert changed.sum() == 11 - 1 + 1 + 8  # prompt pools (one not stored), decode at 19, chunk
+    got = cache.to(DEVICE)
+    ix_gpu.store_pooled_keys(page_views(got, L, dI, KP), on_plan(plan), key_gate.to(DEVICE), ape.to(DEVICE))
     got = got.cpu()
-    assert torch.equal(torch.cat([got[..., :L], got[..., L + dI :]], -1),
-                       torch.cat([pages[..., :L], pages[..., L + dI :]], -1))  # nothing but key slots changes
+    close(page_views(got, L, dI, KP).pooled, page_views(want, L, dI, KP).pooled, "pooled keys")
+    rest = cache.clone()
+    page_views(rest, L, dI, KP).pooled[changed] = page_views(got, L, dI, KP).pooled[changed]
+    assert torch.equal(got, rest)  # nothing but the completed pools' keys changes
 
 
 def test_indexer_select_batch_paged():
     """The batch form over the paged cache: a prefill chunk, and decodes below and far above index_topk."""
     L, dI, topk, bs = 32, 16, 16, 8
     lengths, q_lens = [46, 13, 204, 90], [16, 1, 1, 1]
-    pages, table, seqs = paged_cache(lengths, L + 2 * dI, bs, seed=60)
-    # The gate logits get a larger spread, as in cache_rows.
+    cache, table, _ = paged_cache(lengths, page_row(L, dI), bs, seed=60)
+    seqs = [cache_rows(S, L, dI, seed=64 + r) for r, S in enumerate(lengths)]  # each request's [latent|key|gate]
+    prompts = paged_plan(lengths, lengths, table, bs)
+    pages = page_views(cache, L, dI, KP)
+    rows = torch.cat(seqs)
     g = gen(61)
     T = sum(q_lens)
     ape, q, w = randn(KP, dI, g=g), randn(T, NI, dI, g=g), randn(T, NI, g=g)
-    ix_cpu.store_pooled_keys(pages, paged_plan(lengths, lengths, table, bs), ape, L)  # the prompts were stored
+    write_tokens(pages, prompts.slot_mapping, rows[:, :L], rows[:, L:])  # the prompts were stored
+    ix_cpu.store_pooled_keys(pages, prompts, rows[:, L:], ape)
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
     plan = latent_plan(q_lens, lengths, table)
-    want = ix_cpu.select_batch(q, w, pages, plan, L, topk, KP)
-    got = ix_gpu.select_batch(*on(q, w, pages), on_plan(plan), L, topk, KP)
+    want = ix_cpu.select_batch(q, w, pages.pooled, plan, topk, KP)
+    got = ix_gpu.select_batch(*on(q, w), page_views(cache.to(DEVICE), L, dI, KP).pooled, on_plan(plan), topk, KP)
     for r, (lo, hi) in enumerate(zip(qsl[:-1], qsl[1:])):
         positions = torch.arange(lengths[r] - (hi - lo), lengths[r])
         _, scores = selection(ix_cpu, seqs[r], ape, q[lo:hi], w[lo:hi], positions, topk, L, dI)

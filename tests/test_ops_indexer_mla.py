@@ -8,7 +8,7 @@ import torch
 import hf_ref
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import sparse_mla as mla
-from vllm_glm53.backends.latent_cache import write_rows
+from vllm_glm53.backends.pages import page_views, write_tokens
 from vllm_glm53.backends.plans import LatentCachePlan
 
 torch.set_num_threads(2)
@@ -122,14 +122,15 @@ def test_select_tokens_dense_fast_path_and_errors(impl):
 # ---------------------------------------------------------------------------------------------------------
 
 KP, DI, LEAD = 4, 6, 3
-ROW = LEAD + 2 * DI + 1  # [latent | key | gate | one more column]: nothing but the key slot may change
+ROW = LEAD + -(-DI * (2 * KP - 1) // KP) + 1  # the page layout's row (config.py) and one spare column
 
 
 class PagedSequences:
-    """Requests' cache rows in shuffled blocks of a paged cache, written step by step as the layer writes them
-    (:func:`write_rows`, then the store op), and a plain mirror of what each cache row must then hold: the step's
-    raw rows, with each pool-completing stored row's key replaced by :func:`kpool_compress_torch` of the raw
-    rows its pool has in the mirror, read position by position."""
+    """Requests' tokens in shuffled blocks of a paged cache, written step by step as the layer writes them
+    (:func:`write_tokens`, then the store op), and a plain mirror of what each page region must then hold: every
+    stored token's latent, the raw inputs of every stored token that does not complete its pool, and for every
+    stored pool-completing token its pool's key, :func:`kpool_compress_torch` of the raw inputs the pool's
+    positions last had, read position by position (the completing token's from the step)."""
 
     def __init__(self, n_requests, max_len, block_size, seed):
         self.gen = torch.Generator().manual_seed(seed)
@@ -137,9 +138,11 @@ class PagedSequences:
         per = -(-max_len // block_size)
         total = n_requests * per + 2  # two blocks no request owns
         self.table = torch.randperm(total, generator=self.gen)[: n_requests * per].view(n_requests, per).int()
-        self.pages = torch.randn(total, block_size, ROW, generator=self.gen)
-        self.expected = self.pages.clone()
-        self.raw = [dict() for _ in range(n_requests)]  # position -> the raw row last stored there
+        self.cache = torch.randn(total, block_size, ROW, generator=self.gen)
+        self.expected = self.cache.clone()
+        self.pages = page_views(self.cache, LEAD, DI, KP)
+        self.mirror = page_views(self.expected, LEAD, DI, KP)
+        self.raw = [dict() for _ in range(n_requests)]  # position -> the raw [key | gate] it was last given
         self.ape = torch.randn(KP, DI, generator=self.gen)
 
     def slot(self, r, pos):
@@ -148,7 +151,7 @@ class PagedSequences:
     def step(self, spans, unstored=()):
         """One step: ``spans [(request, first position, n tokens)]`` (the batch holds the requests in index order,
         those without a span with no tokens); tokens at ``(request, position)`` in ``unstored`` carry slot -1.
-        Writes the raw rows and returns the step's plan."""
+        Writes the latents and raw inputs and returns ``(plan, key_gate)``."""
         cu, seq_lens, ctx, slots = [0], [], [], []
         n_req = self.table.shape[0]
         span_of = {r: (start, n) for r, start, n in spans}
@@ -161,24 +164,27 @@ class PagedSequences:
         T = cu[-1]
         plan = LatentCachePlan(torch.tensor(cu), torch.tensor(seq_lens), torch.tensor(ctx), self.table,
                                torch.tensor(slots), n_req, T, max(n for _, _, n in spans), max(seq_lens))
-        new_rows = torch.randn(T, ROW, generator=self.gen)
+        latent, key_gate = torch.randn(T, LEAD, generator=self.gen), torch.randn(T, 2 * DI, generator=self.gen)
+        bs = self.block_size
         t = 0
         done = []
         for r in range(n_req):
             start, n = span_of.get(r, (0, 0))
             for pos in range(start, start + n):
                 if slots[t] >= 0:
-                    self.raw[r][pos] = new_rows[t]
-                    self.expected.view(-1, ROW)[slots[t]] = new_rows[t]
-                    if pos % KP == KP - 1:
-                        done.append((r, pos, slots[t]))
+                    self.raw[r][pos] = key_gate[t]
+                    blk, off = divmod(slots[t], bs)
+                    self.mirror.latent[blk, off] = latent[t]
+                    if pos % KP < KP - 1:
+                        self.mirror.raw[blk, off // KP, pos % KP] = key_gate[t]
+                    else:
+                        done.append((r, pos, blk, off // KP))
                 t += 1
-        for r, pos, slot in done:
-            pool = torch.stack([self.raw[r][s] for s in range(pos - KP + 1, pos + 1)])
-            key = ix.kpool_compress_torch(pool[:, LEAD : LEAD + DI], pool[:, LEAD + DI : LEAD + 2 * DI], self.ape)
-            self.expected.view(-1, ROW)[slot, LEAD : LEAD + DI] = key[0]
-        write_rows(self.pages, plan.slot_mapping, new_rows)
-        return plan
+        for r, pos, blk, pool in done:
+            inputs = torch.stack([self.raw[r][s] for s in range(pos - KP + 1, pos + 1)])
+            self.mirror.pooled[blk, pool] = ix.kpool_compress_torch(inputs[:, :DI], inputs[:, DI:], self.ape)[0]
+        write_tokens(self.pages, plan.slot_mapping, latent, key_gate)
+        return plan, key_gate
 
 
 def test_store_pooled_keys_where_pools_complete(impl):
@@ -195,9 +201,9 @@ def test_store_pooled_keys_where_pools_complete(impl):
         ([(0, 19, 1), (2, 0, 8), (1, 6, 2)], ()),        # pool 4 from three rows of the previous step
     ]
     for spans, unstored in steps:
-        plan = seqs.step(spans, unstored)
-        store(seqs.pages, plan, seqs.ape, LEAD)
-        torch.testing.assert_close(seqs.pages, seqs.expected, rtol=0, atol=1e-6)
+        plan, key_gate = seqs.step(spans, unstored)
+        store(seqs.pages, plan, key_gate, seqs.ape)
+        torch.testing.assert_close(seqs.cache, seqs.expected, rtol=0, atol=1e-6)
 
 
 def test_selection_reads_the_pooled_keys(impl):
@@ -206,8 +212,8 @@ def test_selection_reads_the_pooled_keys(impl):
     topk, nI = 8, 3
     lengths, q_lens = [45, 11, 38, 27], [1, 1, 9, 27]
     seqs = PagedSequences(n_requests=len(lengths), max_len=max(lengths), block_size=8, seed=12)
-    plan = seqs.step([(r, 0, n) for r, n in enumerate(lengths)])  # the whole prompts, one step
-    impl(ix.store_pooled_keys)(seqs.pages, plan, seqs.ape, LEAD)
+    plan, key_gate = seqs.step([(r, 0, n) for r, n in enumerate(lengths)])  # the whole prompts, one step
+    impl(ix.store_pooled_keys)(seqs.pages, plan, key_gate, seqs.ape)
     gen = torch.Generator().manual_seed(13)
     T = sum(q_lens)
     q, w = torch.randn(T, nI, DI, generator=gen), torch.randn(T, nI, generator=gen)
@@ -215,12 +221,11 @@ def test_selection_reads_the_pooled_keys(impl):
     seq_lens = torch.tensor(lengths)
     query_plan = LatentCachePlan(cu, seq_lens, seq_lens - torch.tensor(q_lens), seqs.table, torch.full((T,), -1),
                                  len(lengths), T, max(q_lens), max(lengths))
-    got = impl(ix.select_batch)(q, w, seqs.pages, query_plan, LEAD, topk, KP)
+    got = impl(ix.select_batch)(q, w, seqs.pages.pooled, query_plan, topk, KP)
     for r, S in enumerate(lengths):
         lo, hi = int(cu[r]), int(cu[r + 1])
         raw = torch.stack([seqs.raw[r][s] for s in range(S)])
-        pooled = ix.kpool_compress_torch(raw[: S // KP * KP, LEAD : LEAD + DI],
-                                         raw[: S // KP * KP, LEAD + DI : LEAD + 2 * DI], seqs.ape)
+        pooled = ix.kpool_compress_torch(raw[: S // KP * KP, :DI], raw[: S // KP * KP, DI:], seqs.ape)
         scores = ix.index_scores_torch(q[lo:hi], w[lo:hi], pooled)
         scores = torch.nn.functional.pad(scores, (0, 1 if S % KP else 0))  # transformers' incomplete-pool column
         want = ix.select_tokens_torch(scores, torch.arange(S - (hi - lo), S), topk, KP)

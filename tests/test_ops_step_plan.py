@@ -16,6 +16,7 @@ import hf_ref
 from vllm_glm53 import testing
 from vllm_glm53.backends.cpu import kernels
 from vllm_glm53.backends.kda_state import step_plan
+from vllm_glm53.backends.pages import page_views
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
 
 torch.set_num_threads(2)
@@ -181,8 +182,38 @@ def test_decode_step_reads_nothing_back(layers):
     for pool, old in zip((conv_pool, state_pool), before[:2]):
         changed = [s for s in range(pool.shape[0]) if not torch.equal(pool[s], old[s])]
         assert changed == sorted(slots.tolist())
-    for cache, old in zip(caches, before[2]):
-        flat_new, flat_old = cache.view(-1, cache.shape[-1]), old.view(-1, cache.shape[-1])
-        assert (flat_new != flat_old).any(-1).nonzero().squeeze(1).tolist() == sorted(slot_mapping.tolist())
+    # In the pages (backends/latent_cache.py): each new token's latent, and in the indexer layer its raw inputs
+    # or, for a token completing its pool (position 39), the pool's key.
+    L, dI, kp = arch.kv_lora_rank, arch.index_head_dim, arch.index_kpool
+    blk, off = slot_mapping // block_size, slot_mapping % block_size
+    for cache, old, has_indexer in zip(caches, before[2], (True, False)):
+        new_p, old_p = page_views(cache, L, dI, kp), page_views(old, L, dI, kp)
+        mark = torch.zeros_like(cache, dtype=torch.bool)
+        touched = page_views(mark, L, dI, kp)
+        touched.latent[blk, off] = True
+        assert (new_p.latent[blk, off] != old_p.latent[blk, off]).any(-1).all()
+        if has_indexer:
+            for b, o, pos in zip(blk.tolist(), off.tolist(), last.tolist()):
+                if pos % kp < kp - 1:
+                    at, region, new_entry, old_entry = (b, o // kp, o % kp), touched.raw, new_p.raw, old_p.raw
+                else:
+                    at, region, new_entry, old_entry = (b, o // kp), touched.pooled, new_p.pooled, old_p.pooled
+                region[at] = True
+                assert (new_entry[at] != old_entry[at]).any()
+        assert not ((cache != old) & ~mark).any()
     assert torch.isfinite(X).all()
     assert ((selection >= 0).sum(1) < torch.tensor(seq_lens)).tolist() == [False, True, True]
+
+
+def test_a_block_size_that_splits_indexer_pools_is_refused_before_any_cache_exists(layers):
+    """Pages hold whole pools (backends/latent_cache.py): the layer's cache spec, asked at engine start, names a
+    block size that is not a multiple of index_kpool instead of failing at the first request."""
+    arch, decoder = layers
+    mla = decoder[1].self_attn
+
+    def config(block_size):
+        return SimpleNamespace(cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"))
+
+    assert mla.get_kv_cache_spec(config(4 * arch.index_kpool)).block_size == 4 * arch.index_kpool
+    with pytest.raises(ValueError, match=f"--block-size {arch.index_kpool + 1}:.*index_kpool"):
+        mla.get_kv_cache_spec(config(arch.index_kpool + 1))

@@ -116,9 +116,10 @@ class TextArch:
 
     @property
     def cache_row_size(self) -> int:
-        """Values per token in a sparse-MLA layer's cache row: the latent, then the indexer key and its pooling-gate
-        logits (vllm_glm53/backends/latent_cache.py)."""
-        return self.kv_lora_rank + 2 * self.index_head_dim
+        """Values per token in a sparse-MLA layer's cache page (vllm_glm53/backends/latent_cache.py): the latent,
+        a kp-th of a pooled indexer key, and the raw key and pooling-gate logits of kp - 1 tokens in kp."""
+        dI, kp = self.index_head_dim, self.index_kpool
+        return self.kv_lora_rank + -(-dI * (2 * kp - 1) // kp)
 
     def selection_in_flight(self, boundary: int) -> bool:
         """Whether the sparse selection of a ``full`` layer before ``boundary`` is still needed by a ``shared``

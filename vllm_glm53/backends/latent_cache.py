@@ -1,17 +1,26 @@
-"""The attention backend vLLM sees for the sparse-MLA layers: it owns the per-token cache row layout and
-turns vLLM's per-batch metadata into the step plan every sparse-MLA layer reads,
+"""The attention backend vLLM sees for the sparse-MLA layers: it owns the cache page layout and turns vLLM's
+per-batch metadata into the step plan every sparse-MLA layer reads,
 :class:`~vllm_glm53.backends.plans.LatentCachePlan` (request token ranges, total and cached lengths, block
 table, cache slots), once per step.
 
-One cache row per token and layer holds ``[c_kv (kv_lora_rank) | indexer key (dI) | pooling gate (dI)]``:
-the normalised latent that attention reads, and the indexer inputs. A token that completes a pool (position
-``≡ kp - 1 (mod kp)``) has its pool's compressed key ``K_p`` in the key slot instead of its own raw key (its gate
-slot is then unused), stored by the layer when it writes the row; every other token keeps its raw key and gate,
-from which its pool is compressed when the pool's last token arrives (possibly in a later step or prefill
-chunk). The indexer then reads one row per complete pool. Why this needs no per-sequence state, with speculative
-drafts, chunked prefill and prefix caching: :mod:`vllm_glm53.backends.cpu.indexer`. Keeping the indexer inputs
-in the same row (rather than in a third cache kind with its own page size) keeps vLLM's hybrid page-size
-unification to two kinds, state pages and token pages.
+vLLM gives each sparse-MLA layer pages of ``block_size`` tokens x ``cache_row_size`` values (config.py); the
+plugin lays a page out in three regions (:func:`~vllm_glm53.backends.pages.page_views`), for a block of ``bs``
+tokens with pools of ``kp``:
+
+  * ``latent [bs, L]``: the normalised latent ``c_kv`` of each token, what attention reads;
+  * ``pooled [bs / kp, dI]``: the compressed indexer key ``K_p`` of each of the block's pools, contiguous, so the
+    indexer reads a block's keys as one stream (stored when the pool's last token is written);
+  * ``raw [bs / kp, kp - 1, 2 dI]``: the raw indexer key and pooling-gate logits of the first kp - 1 tokens of
+    each pool, from which the pool is compressed when its last token arrives (possibly in a later step or
+    prefill chunk). The last token's own inputs are never stored: its pool is compressed in the step that writes
+    it, from the step's values.
+
+So a token costs ``L + dI / kp + 2 dI (kp - 1) / kp`` values (736 for L 512, dI 128, kp 4, against 768 for a
+row holding every token's raw inputs). Block sizes are multiples of kp, so a pool never straddles two pages
+and prefix caching, which shares whole blocks, shares only complete, compressed pools. Why this needs no
+per-sequence state with speculative drafts and chunked prefill: :mod:`vllm_glm53.backends.cpu.indexer`. Keeping
+the indexer data in the same pages (rather than in a third cache kind with its own page size) keeps vLLM's
+hybrid page-size unification to two kinds, state pages and token pages.
 
 The layer gets this backend from ``get_attn_backend()`` directly, never through the platform selector
 (vLLM's CPU selector refuses sparse MLA outright).
@@ -105,18 +114,3 @@ class LatentCacheBackend(AttentionBackend):
             return spec
         return MLAAttentionSpec(block_size=spec.block_size, num_kv_heads=1, head_size=spec.head_size,
                                 dtype=spec.dtype, cache_dtype_str=getattr(spec, "cache_dtype_str", None) or "auto")
-
-
-def cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The bound cache as ``[num_blocks, block_size, row]`` whatever singleton head axis vLLM gave it."""
-    if kv_cache.dim() == 4:
-        kv_cache = kv_cache.squeeze(1) if kv_cache.shape[1] == 1 else kv_cache.squeeze(2)
-    return kv_cache
-
-
-def write_rows(rows: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """Store ``values [T, row]`` at cache slots ``slot_mapping [T]`` (slot = block * block_size + offset)."""
-    block_size = rows.shape[1]
-    valid = slot_mapping >= 0  # padded tokens carry slot -1
-    slots = slot_mapping[valid].to(torch.int64)
-    rows[slots // block_size, slots % block_size] = values[valid].to(rows.dtype)

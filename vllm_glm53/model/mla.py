@@ -29,7 +29,8 @@ from vllm_glm53._vllm import (
 )
 from vllm_glm53.backends import indexer_ops, mla_ops
 from vllm_glm53.backends.cpu.indexer import index_width
-from vllm_glm53.backends.latent_cache import LatentCacheBackend, cache_rows, write_rows
+from vllm_glm53.backends.latent_cache import LatentCacheBackend
+from vllm_glm53.backends.pages import fresh_pages, page_views, write_tokens
 from vllm_glm53.backends.plans import LatentCachePlan
 from vllm_glm53.config import TextArch
 from vllm_glm53.model.layer_ops import forward_layer, register_layer_op
@@ -57,7 +58,7 @@ class Glm5NextIndexer(nn.Module):
         self.n_heads, self.head_dim = nI, dI
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-token cache part ``[key (dI) | gate logits (dI)]`` in the activation dtype."""
+        """Per-token raw indexer inputs ``[key (dI) | gate logits (dI)]`` in the activation dtype."""
         k, _ = self.wk(x)
         gate = torch.nn.functional.linear(x, self.index_kpool_compress_gate)
         return torch.cat([self.k_norm(k), gate], dim=-1)
@@ -118,8 +119,13 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
         if cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--kv-cache-dtype {cache_dtype} is not supported by the GLM-5.3 latent cache")
         dtype = self.model_dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
+        block_size, kp = vllm_config.cache_config.block_size, self.arch.index_kpool
+        if block_size % kp:
+            # a page holds whole indexer pools (backends/latent_cache.py); refused here, before any cache exists
+            raise ValueError(f"--block-size {block_size}: GLM-5.3's sparse-MLA cache needs a block size that is a "
+                             f"multiple of index_kpool ({kp})")
         return _vllm.MLAAttentionSpec(
-            block_size=vllm_config.cache_config.block_size,
+            block_size=block_size,
             num_kv_heads=1,
             head_size=self.arch.cache_row_size,
             dtype=dtype,
@@ -146,62 +152,57 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
         q, _ = self.q_b_proj(c_q)
         q_lat = mla_ops.absorb_q(q.view(T, self.heads, a.qk_nope_head_dim), self.w_uk)
         kv_a, _ = self.kv_a_proj_with_mqa(x)
-        new_rows = self.kv_a_layernorm(kv_a)
+        latent = self.kv_a_layernorm(kv_a)
         if self.indexer is not None:
-            new_rows = torch.cat([new_rows, self.indexer.keys(x)], dim=-1)
+            key_gate = self.indexer.keys(x)
             q_idx, w_idx = self.indexer.queries(x, c_q)
         else:
-            new_rows = torch.nn.functional.pad(new_rows, (0, 2 * a.index_head_dim))
-
-        if self.indexer is None:
             if shared_selection is None:
                 raise RuntimeError(f"{self.prefix}: shared indexer layer got no selection to reuse")
-            q_idx = w_idx = None
-        o_lat, selection = _sparse_mla(q_lat, new_rows, q_idx, w_idx, shared_selection, self.prefix)
+            key_gate = q_idx = w_idx = None
+        o_lat, selection = _sparse_mla(q_lat, latent, key_gate, q_idx, w_idx, shared_selection, self.prefix)
         o = mla_ops.apply_uv(o_lat, self.w_uv)
         out, _ = self.o_proj(o.reshape(T, -1))
         return out, selection
 
-    def attend(self, q_lat: torch.Tensor, new_rows: torch.Tensor, q_idx: torch.Tensor | None,
-               w_idx: torch.Tensor | None, shared_selection: torch.Tensor | None):
-        """Store the new cache rows (with the pooled key of every pool they complete), select (or reuse the
-        shared selection) and attend, for the whole batch as the step plan says. Both ops read the paged cache
-        in place: the indexer one pooled key per complete pool of each request, the attention only the selected
-        latent rows (so its cost stops growing once the context exceeds index_topk). Profiling and dummy runs
-        carry no plan: the batch is one fresh sequence, its rows one page (a copy: the op's inputs are not
-        written)."""
+    def attend(self, q_lat: torch.Tensor, latent: torch.Tensor, key_gate: torch.Tensor | None,
+               q_idx: torch.Tensor | None, w_idx: torch.Tensor | None, shared_selection: torch.Tensor | None):
+        """Store the step's latents and raw indexer inputs (and the pooled key of every pool they complete),
+        select (or reuse the shared selection) and attend, for the whole batch as the step plan says. Both ops read
+        the paged cache in place: the indexer one pooled key per complete pool of each request, the attention only
+        the selected latents (so its cost stops growing once the context exceeds index_topk). Profiling and dummy
+        runs carry no plan: the batch is one fresh sequence in one zeroed page."""
         a = self.arch
         meta = _vllm.layer_attn_metadata(self.prefix)
+        L, dI, kp = a.kv_lora_rank, a.index_head_dim, a.index_kpool
         if meta is None:
             plan = LatentCachePlan.fresh(q_lat.shape[0], q_lat.device)
-            rows = new_rows.unsqueeze(0).clone()
+            pages = fresh_pages(q_lat.shape[0], a.cache_row_size, L, dI, kp, latent.dtype, latent.device)
         else:
             plan = meta
-            rows = cache_rows(self.kv_cache)
-            write_rows(rows, plan.slot_mapping, new_rows)
+            pages = page_views(self.kv_cache, L, dI, kp)
         n = plan.num_tokens
+        write_tokens(pages, plan.slot_mapping, latent[:n], None if key_gate is None else key_gate[:n])
         if self.indexer is not None:
-            indexer_ops.store_pooled_keys(rows, plan, self.indexer.index_kpool_compress_ape, a.kv_lora_rank)
-            selection = indexer_ops.select_batch(q_idx[:n], w_idx[:n], rows, plan, a.kv_lora_rank, a.index_topk,
-                                                 a.index_kpool)
+            indexer_ops.store_pooled_keys(pages, plan, key_gate[:n], self.indexer.index_kpool_compress_ape)
+            selection = indexer_ops.select_batch(q_idx[:n], w_idx[:n], pages.pooled, plan, a.index_topk, kp)
         else:
             selection = shared_selection[:n]  # a previous pipeline stage's selection may carry pad rows
         o_lat = torch.zeros_like(q_lat)
-        o_lat[:n] = mla_ops.sparse_latent_attention_paged(q_lat[:n], rows, plan, selection, self.scale,
-                                                          a.kv_lora_rank)
+        o_lat[:n] = mla_ops.sparse_latent_attention_paged(q_lat[:n], pages.latent, plan, selection, self.scale, L)
         return o_lat, selection
 
 
-def _sparse_mla_impl(q_lat: torch.Tensor, new_rows: torch.Tensor, q_idx: torch.Tensor | None,
-                     w_idx: torch.Tensor | None, shared_selection: torch.Tensor | None,
+def _sparse_mla_impl(q_lat: torch.Tensor, latent: torch.Tensor, key_gate: torch.Tensor | None,
+                     q_idx: torch.Tensor | None, w_idx: torch.Tensor | None, shared_selection: torch.Tensor | None,
                      layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    o_lat, selection = forward_layer(layer_name).attend(q_lat, new_rows, q_idx, w_idx, shared_selection)
+    o_lat, selection = forward_layer(layer_name).attend(q_lat, latent, key_gate, q_idx, w_idx, shared_selection)
     # A custom op may not return one of its inputs (or a view of one): a shared layer passes a copy on.
     return o_lat, selection.clone() if shared_selection is not None else selection
 
 
-def _sparse_mla_fake(q_lat: torch.Tensor, new_rows: torch.Tensor, q_idx: torch.Tensor | None,
-                     w_idx: torch.Tensor | None, shared_selection: torch.Tensor | None,
+def _sparse_mla_fake(q_lat: torch.Tensor, latent: torch.Tensor, key_gate: torch.Tensor | None,
+                     q_idx: torch.Tensor | None, w_idx: torch.Tensor | None, shared_selection: torch.Tensor | None,
                      layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     arch = forward_layer(layer_name).arch
     width = index_width(arch.index_topk, arch.index_kpool)
@@ -209,4 +210,3 @@ def _sparse_mla_fake(q_lat: torch.Tensor, new_rows: torch.Tensor, q_idx: torch.T
 
 
 _sparse_mla = register_layer_op("sparse_mla", _sparse_mla_impl, _sparse_mla_fake)
-

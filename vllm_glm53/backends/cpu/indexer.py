@@ -14,17 +14,18 @@ row layout. :data:`store_pooled_keys` and :data:`select_batch` are the batch-wid
 paged cache and the step plan (:class:`~vllm_glm53.backends.plans.LatentCachePlan`); the others are their
 per-sequence steps.
 
-Pooled keys in the cache. A cache row keeps its token's raw indexer key and gate logits until the token completes
-a pool (position ``≡ kp - 1 (mod kp)``): when that row is written, :data:`store_pooled_keys` compresses the pool
-from its rows and stores ``K_p`` over the completing row's key (in the cache dtype). Selection then reads one row
-per complete pool, its last, instead of the ``2 * kp * dI`` raw values it would recompress every step. No state
-outside the rows is needed, and every way a row can be read stays correct:
+Pooled keys in the cache (page layout: :mod:`vllm_glm53.backends.latent_cache`). Each page holds the pooled key
+``K_p`` of each of its pools, contiguous, and the raw indexer key and gate logits of the first kp - 1 tokens of
+each pool. When a step writes a pool's last token, :data:`store_pooled_keys` compresses the pool from the raw
+inputs of its earlier tokens and the step's values for the last one and stores ``K_p`` (in the cache dtype);
+selection then reads one pooled key per complete pool, a block's keys as one stream. No state outside the pages
+is needed, and every way a page can be read stays correct:
 
-  * a pool's earlier rows keep their raw inputs, so a pool that completes in a later step or prefill chunk than
-    it started in is compressed from rows already in the cache;
+  * a pool's earlier tokens keep their raw inputs, so a pool that completes in a later step or prefill chunk than
+    it started in is compressed from inputs already in the cache;
   * a speculative draft that completes a pool and is rejected leaves a ``K_p`` that no accepted token reads
-    (selection only reads complete pools, and the next step rewrites that row, recompressing if it completes
-    the pool again); the accepted rows it was computed from are never overwritten;
+    (selection only reads pools complete at the query's position, and the real completion stores the pool
+    again); it writes no raw input of an accepted token (raw slots belong to their own positions);
   * prefix caching shares whole blocks, and the block size is a multiple of kp, so every pool of a shared block
     is complete and compressed.
 """
@@ -36,6 +37,7 @@ import torch
 from vllm_glm53.backends.cpu import kernels
 from vllm_glm53.backends.cpu.paged import sequence_rows
 from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
+from vllm_glm53.backends.pages import LatentPages
 from vllm_glm53.backends.plans import LatentCachePlan
 
 __all__ = [
@@ -203,50 +205,48 @@ def select_tokens_torch(
     return out
 
 
-@store_pooled_keys.register("compiled", compiled_kernels_check(lambda rows, plan, ape, *args, **kwargs: (rows, ape)))
-def _store_pooled_keys_compiled(rows, plan, ape, key_offset):
-    kernels.ops().store_pooled_keys(rows, plan.block_table, plan.cu_seqlens, plan.context_lens, plan.slot_mapping,
-                                    ape, key_offset)
+@store_pooled_keys.register("compiled", compiled_kernels_check(
+    lambda pages, plan, key_gate, ape: (pages.pooled, pages.raw, key_gate, ape)))
+def _store_pooled_keys_compiled(pages, plan, key_gate, ape):
+    kernels.ops().store_pooled_keys(pages.pooled, pages.raw, key_gate, plan.slot_mapping[: plan.num_tokens], ape)
 
 
 @store_pooled_keys.register("torch")
-def store_pooled_keys_torch(rows: torch.Tensor, plan: LatentCachePlan, ape: torch.Tensor, key_offset: int) -> None:
-    """Store the compressed key of every pool this step completes over the key of its completing row.
+def store_pooled_keys_torch(pages: LatentPages, plan: LatentCachePlan, key_gate: torch.Tensor,
+                            ape: torch.Tensor) -> None:
+    """Store the compressed key of every pool this step completes.
 
-    rows ``[num_blocks, block_size, R]``: cache pages holding each token's indexer key at ``[key_offset,
-    key_offset + dI)`` and its pooling-gate logits right after, this step's rows already written (raw); the plan's
-    request r has its new tokens at ``cu_seqlens[r]:cu_seqlens[r+1]`` of the batch, at positions from
-    ``context_lens[r]`` on, stored at ``slot_mapping`` (-1: not stored). For every stored token at a position
-    ``s`` with ``s % kp == kp - 1``, :func:`kpool_compress` of the raw rows of positions ``s - kp + 1 .. s`` (found
-    through the block table) is written over that token's key, in the cache dtype. ape ``[kp, dI]``.
+    pages: the layer's cache regions (:func:`~vllm_glm53.backends.latent_cache.page_views`), this step's raw
+    inputs already written; key_gate ``[T, 2 dI]``: the step's raw key and gate logits per token, in batch order;
+    the plan's ``slot_mapping`` gives each token's cache slot (-1: not stored). A stored token whose slot is the
+    last of a pool (``slot % kp == kp - 1``: block sizes are multiples of kp, so that is its position's place)
+    completes it: :func:`kpool_compress` of the pool's kp - 1 raw inputs in the page and the token's own is
+    written to the page's pooled key of that pool, in the cache dtype. ape ``[kp, dI]``.
     """
     kp, dI = ape.shape
-    block_size = rows.shape[1]
-    req, position = plan.token_positions()
+    pools = pages.pooled.shape[1]
     slot = plan.slot_mapping[: plan.num_tokens].to(torch.int64)
-    completes = (position % kp == kp - 1) & (slot >= 0)
-    req, position, slot = req[completes], position[completes], slot[completes]
-    pool = position.unsqueeze(1) - (kp - 1) + torch.arange(kp, device=rows.device)  # [pools, kp] positions
-    blocks = plan.block_table[req.unsqueeze(1), pool // block_size].to(torch.int64)
-    raw = rows[blocks, pool % block_size, key_offset : key_offset + 2 * dI].reshape(-1, 2 * dI)
-    pooled = kpool_compress_torch(raw[:, :dI], raw[:, dI:], ape)
-    rows[slot // block_size, slot % block_size, key_offset : key_offset + dI] = pooled.to(rows.dtype)
+    completes = (slot >= 0) & (slot % kp == kp - 1)
+    slot = slot[completes]
+    block, pool = slot // (pools * kp), slot % (pools * kp) // kp
+    last = key_gate[: plan.num_tokens][completes].to(pages.raw.dtype).unsqueeze(1)
+    raw = torch.cat([pages.raw[block, pool], last], dim=1).reshape(-1, 2 * dI)  # [completed * kp, 2 dI]
+    pages.pooled[block, pool] = kpool_compress_torch(raw[:, :dI], raw[:, dI:], ape).to(pages.pooled.dtype)
 
 
 @select_batch.register("compiled", compiled_kernels_check(
-    lambda q, weights, rows, *args, **kwargs: (q, weights, rows)))
-def _select_batch_compiled(q, weights, rows, plan, key_offset, topk, kp, always_select_tail=True):
-    return kernels.ops().indexer_select(q, weights, rows, plan.block_table, plan.cu_seqlens, plan.seq_lens,
-                                        key_offset, topk, kp, always_select_tail)
+    lambda q, weights, pooled, *args, **kwargs: (q, weights, pooled)))
+def _select_batch_compiled(q, weights, pooled, plan, topk, kp, always_select_tail=True):
+    return kernels.ops().indexer_select(q, weights, pooled, plan.block_table, plan.cu_seqlens, plan.seq_lens, topk,
+                                        kp, always_select_tail)
 
 
 @select_batch.register("torch")
 def select_batch_torch(
     q: torch.Tensor,
     weights: torch.Tensor,
-    rows: torch.Tensor,
+    pooled: torch.Tensor,
     plan: LatentCachePlan,
-    key_offset: int,
     topk: int,
     kp: int,
     always_select_tail: bool = True,
@@ -255,16 +255,15 @@ def select_batch_torch(
 
     q ``[T, nI, dI]`` and weights ``[T, nI]`` as in :func:`index_scores`; the plan's request r has its queries at
     ``cu_seqlens[r]:cu_seqlens[r+1]``, which are its last positions (``seq_lens[r]`` tokens in all, the first
-    ``context_lens[r]`` of them already cached); rows ``[num_blocks, block_size, R]`` cache pages, found through
-    the plan's block table, holding at ``[key_offset, key_offset + dI)`` of the last row of every complete pool
-    that pool's compressed key (:func:`store_pooled_keys`). Returns ``[T, index_width]`` int64, each row as
-    :func:`select_tokens` gives it for that request scored over transformers' row layout (``ceil(seq_len / kp)``
-    columns).
+    ``context_lens[r]`` of them already cached); pooled ``[num_blocks, block_size / kp, dI]``: the pages' pooled
+    keys (:func:`store_pooled_keys`), pool p of a request in its block ``p // (block_size / kp)`` of the plan's
+    block table. Returns ``[T, index_width]`` int64, each row as :func:`select_tokens` gives it for that request
+    scored over transformers' row layout (``ceil(seq_len / kp)`` columns).
 
     Plain torch: :func:`select_per_request` with the torch forms of the per-sequence steps.
     """
-    return select_per_request(index_scores_torch, select_tokens_torch, q, weights, rows, plan, key_offset, topk,
-                              kp, always_select_tail)
+    return select_per_request(index_scores_torch, select_tokens_torch, q, weights, pooled, plan, topk, kp,
+                              always_select_tail)
 
 
 def select_per_request(
@@ -272,19 +271,17 @@ def select_per_request(
     select,
     q: torch.Tensor,
     weights: torch.Tensor,
-    rows: torch.Tensor,
+    pooled: torch.Tensor,
     plan: LatentCachePlan,
-    key_offset: int,
     topk: int,
     kp: int,
     always_select_tail: bool = True,
 ) -> torch.Tensor:
     """:func:`select_batch` one request at a time with a backend's per-sequence ops (``score``, ``select``: the
     signatures of :func:`index_scores`, :func:`select_tokens`): gather the pooled keys of the request's complete
-    pools (the last row of each) from the pages, score over transformers' row layout, select. Outputs on ``q``'s
-    device. It reads the plan back to the host and loops over requests: a reference form, and the GPU backend's
-    until it has a batch-wide selection kernel."""
-    dI = q.shape[-1]
+    pools from the pages, score over transformers' row layout, select. Outputs on ``q``'s device. It reads the
+    plan back to the host and loops over requests: a reference form, and the GPU backend's until it has a
+    batch-wide selection kernel."""
     starts, lens = plan.cu_seqlens.tolist(), plan.seq_lens.tolist()
     out = torch.full((q.shape[0], index_width(topk, kp, always_select_tail)), -1, dtype=torch.int64,
                      device=q.device)
@@ -295,8 +292,7 @@ def select_per_request(
         positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
         scores = None
         if not all_candidates_fit(seq_len - 1, topk, kp):
-            pool_rows = sequence_rows(rows, plan.block_table[r], seq_len // kp * kp)[kp - 1 :: kp]
-            scores = score(q[lo:hi], weights[lo:hi], pool_rows[:, key_offset : key_offset + dI])
+            scores = score(q[lo:hi], weights[lo:hi], sequence_rows(pooled, plan.block_table[r], seq_len // kp))
             if seq_len % kp:  # transformers' row layout has a column for the incomplete pool (never chosen)
                 scores = torch.nn.functional.pad(scores, (0, 1))
         out[lo:hi] = select(scores, positions, topk, kp, always_select_tail)

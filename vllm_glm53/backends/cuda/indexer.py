@@ -6,11 +6,11 @@ back ascending and padded with -1.
 
 Four kernels:
   * ``kpool_compress``: per (pool block, channel block), the softmax over the kp slots of each pool and channel
-    and the weighted sum of the keys; it reads the key and gate columns straight out of the cache rows (any row
-    stride), so the layer's ``rows[:, L:L+dI]`` views cost no copy.
+    and the weighted sum of the keys (key and gate rows may be strided views).
   * ``store_pooled_keys``: the same compression per token of the step that completes a pool, reading the pool's
-    rows through the block table and writing ``K_p`` over the completing row's key (the CPU module's docstring
-    says why this needs no state outside the rows).
+    earlier raw inputs from its page and the token's own from the step, and writing ``K_p`` to the page's pooled
+    keys (page layout: :mod:`vllm_glm53.backends.latent_cache`; the CPU module's docstring says why this needs no
+    state outside the pages).
   * ``index_scores``: per (query block, pool block), one GEMM per indexer head, ReLU, and the head-weighted sum
     accumulated in registers: the ``[Tq, nI, P]`` logits never reach memory.
   * expansion (inside ``select_tokens``): selected pools -> their kp tokens, then the tail, then -1 padding.
@@ -37,6 +37,7 @@ from vllm_glm53.backends.cpu.indexer import (
     select_per_request,
 )
 from vllm_glm53.backends.dispatch import Op
+from vllm_glm53.backends.pages import LatentPages
 from vllm_glm53.backends.plans import LatentCachePlan
 
 __all__ = [
@@ -119,56 +120,62 @@ def kpool_compress(k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Tensor
 
 @triton.jit
 def _store_pooled_keys_kernel(
-    rows_ptr, block_table_ptr, req_ptr, position_ptr, slot_ptr, ape_ptr,
-    stride_block, stride_offset, stride_table, block_size, key_offset,
+    pooled_ptr, raw_ptr, key_gate_ptr, slot_ptr, ape_ptr,
+    stride_pooled_block, stride_pooled_pool, stride_raw_block, stride_raw_pool, stride_raw_tok, stride_kg,
+    pools,
     D: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    pos = tl.load(position_ptr + t)
-    if (slot >= 0) & (pos % KP == KP - 1):
-        req = tl.load(req_ptr + t)
+    if (slot >= 0) & (slot % KP == KP - 1):
+        block = slot // (pools * KP)
+        pool = slot % (pools * KP) // KP
         chans = tl.arange(0, BD)
         ok = chans < D
         m = tl.full((BD,), float("-inf"), tl.float32)
         for j in tl.static_range(KP):
-            s = pos - (KP - 1) + j
-            block = tl.load(block_table_ptr + req * stride_table + s // block_size).to(tl.int64)
-            row = rows_ptr + block * stride_block + (s % block_size) * stride_offset + key_offset
-            logit = tl.load(row + D + chans, mask=ok, other=0.0).to(tl.float32)
+            if j < KP - 1:
+                src = raw_ptr + block * stride_raw_block + pool * stride_raw_pool + j * stride_raw_tok
+            else:
+                src = key_gate_ptr + t * stride_kg
+            logit = tl.load(src + D + chans, mask=ok, other=0.0).to(tl.float32)
             m = tl.maximum(m, logit + tl.load(ape_ptr + j * D + chans, mask=ok, other=0.0))
         denom = tl.zeros((BD,), tl.float32)
         acc = tl.zeros((BD,), tl.float32)
         for j in tl.static_range(KP):
-            s = pos - (KP - 1) + j
-            block = tl.load(block_table_ptr + req * stride_table + s // block_size).to(tl.int64)
-            row = rows_ptr + block * stride_block + (s % block_size) * stride_offset + key_offset
-            logit = tl.load(row + D + chans, mask=ok, other=0.0).to(tl.float32)
+            if j < KP - 1:
+                src = raw_ptr + block * stride_raw_block + pool * stride_raw_pool + j * stride_raw_tok
+            else:
+                src = key_gate_ptr + t * stride_kg
+            logit = tl.load(src + D + chans, mask=ok, other=0.0).to(tl.float32)
             e = tl.exp(logit + tl.load(ape_ptr + j * D + chans, mask=ok, other=0.0) - m)
             denom += e
-            acc += e * tl.load(row + chans, mask=ok, other=0.0).to(tl.float32)
-        dst = rows_ptr + (slot // block_size) * stride_block + (slot % block_size) * stride_offset + key_offset
-        tl.store(dst + chans, (acc / denom).to(rows_ptr.dtype.element_ty), mask=ok)
+            acc += e * tl.load(src + chans, mask=ok, other=0.0).to(tl.float32)
+        dst = pooled_ptr + block * stride_pooled_block + pool * stride_pooled_pool
+        tl.store(dst + chans, (acc / denom).to(pooled_ptr.dtype.element_ty), mask=ok)
 
 
 store_pooled_keys = Op("store_pooled_keys")
 
 
 @store_pooled_keys.register("triton")
-def store_pooled_keys_triton(rows: torch.Tensor, plan: LatentCachePlan, ape: torch.Tensor, key_offset: int) -> None:
-    """Store the compressed key of every pool this step completes over the key of its completing row (the
-    oracle's contract): one program per token of the step, those that complete no pool or are not stored (slot
-    -1) exit at once. rows ``[num_blocks, block_size, R]`` with this step's rows already written; ape ``[kp, dI]``."""
+def store_pooled_keys_triton(pages: LatentPages, plan: LatentCachePlan, key_gate: torch.Tensor,
+                             ape: torch.Tensor) -> None:
+    """Store the compressed key of every pool this step completes in the pages' pooled keys (the oracle's
+    contract): one program per token of the step, those that complete no pool or are not stored (slot -1) exit
+    at once. pages: the cache regions with this step's raw inputs already written; key_gate ``[T, 2 dI]`` the
+    step's raw inputs (the completing token's are read from here); ape ``[kp, dI]``."""
     kp, D = ape.shape
     if plan.num_tokens == 0:
         return
-    if rows.stride(-1) != 1:
-        raise ValueError("store_pooled_keys needs contiguous channels in the cache rows")
-    req, position = plan.token_positions()
+    key_gate = key_gate[: plan.num_tokens].to(pages.raw.dtype).contiguous()
+    pooled, raw = pages.pooled, pages.raw
+    if pooled.stride(-1) != 1 or raw.stride(-1) != 1:
+        raise ValueError("store_pooled_keys needs contiguous channels in the cache pages")
     _store_pooled_keys_kernel[(plan.num_tokens,)](
-        rows, plan.block_table, req, position, plan.slot_mapping[: plan.num_tokens],
-        ape.to(torch.float32).contiguous(),
-        rows.stride(0), rows.stride(1), plan.block_table.stride(0), rows.shape[1], key_offset,
+        pooled, raw, key_gate, plan.slot_mapping[: plan.num_tokens], ape.to(torch.float32).contiguous(),
+        pooled.stride(0), pooled.stride(1), raw.stride(0), raw.stride(1), raw.stride(2), key_gate.stride(0),
+        pooled.shape[1],
         D=D, KP=kp, BD=triton.next_power_of_2(D),
     )
 
@@ -310,20 +317,17 @@ select_batch = Op("select_batch")
 def select_batch_triton(
     q: torch.Tensor,
     weights: torch.Tensor,
-    rows: torch.Tensor,
+    pooled: torch.Tensor,
     plan: LatentCachePlan,
-    key_offset: int,
     topk: int,
     kp: int,
     always_select_tail: bool = True,
 ) -> torch.Tensor:
     """Index rows for every query of a batch from the paged cache (the oracle's contract): the plan's request r
-    has its queries at ``cu_seqlens[r]:cu_seqlens[r+1]``, its last positions of ``seq_lens[r]``; the last cache row
-    of each complete pool holds the pool's compressed key at ``[key_offset, key_offset + dI)``
+    has its queries at ``cu_seqlens[r]:cu_seqlens[r+1]``, its last positions of ``seq_lens[r]``; pooled
+    ``[num_blocks, block_size / kp, dI]`` holds the compressed key of every complete pool
     (:func:`store_pooled_keys`).
 
     Per request (:func:`~vllm_glm53.backends.cpu.indexer.select_per_request`, which reads the plan back to the
-    host): its pooled keys are gathered from the pages (one row of dI values per pool), then scored and selected
-    by the kernels above."""
-    return select_per_request(index_scores, select_tokens, q, weights, rows, plan, key_offset, topk, kp,
-                              always_select_tail)
+    host): its pooled keys are gathered from the pages, then scored and selected by the kernels above."""
+    return select_per_request(index_scores, select_tokens, q, weights, pooled, plan, topk, kp, always_select_tail)
