@@ -56,6 +56,7 @@ from vllm_glm53.backends.cpu import kda, kernels, mhc, moe
 from vllm_glm53.backends.cpu import sparse_mla as mla
 from vllm_glm53.backends.pages import page_views
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
+from vllm_glm53.config import cache_row_size
 
 WORKING_SET = 512 << 20  # bytes of the bandwidth probes: many times a 32 MiB L3
 COPY_BUDGET = 1 << 30  # bytes of data copies per benchmark row
@@ -193,7 +194,7 @@ class PagedCache:
     pooled-key region as the stored keys."""
 
     L, dI, nI, topk, kp, block = 512, 128, 4, 64, 4, 128
-    ROW = L + -(-dI * (2 * kp - 1) // kp)  # config.TextArch.cache_row_size
+    ROW = cache_row_size(L, dI, kp)
 
     def __init__(self, B: int, S: int, copies: int):
         nb = -(-S // self.block)

@@ -235,7 +235,8 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
   at::Tensor qsl = query_start_loc_.to(at::kLong).contiguous(), sl = seq_lens_.to(at::kLong).contiguous();
   TORCH_CHECK(pooled.dim() == 3 && pooled.stride(2) == 1, "indexer_select: pooled must be [blocks, pools, dI]");
   const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2);
-  TORCH_CHECK(pooled.size(2) == dI, "indexer_select: pooled keys of ", pooled.size(2), " values for queries of ", dI);
+  TORCH_CHECK(pooled.size(2) == dI, "indexer_select: pooled keys of ", pooled.size(2), " values for queries of ",
+              dI);
   const int64_t n_req = sl.size(0), pools = pooled.size(1), block_size = pools * kp, n_blocks = pooled.size(0);
   const int64_t max_blocks = bt.size(1);
   const int64_t width = index_width(topk, kp, tail);

@@ -39,6 +39,7 @@ from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import sparse_mla as mla
 from vllm_glm53.backends.pages import page_views, write_tokens
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
+from vllm_glm53.config import cache_row_size
 
 ops = kernels.ops()
 ISA = kernels.isa()
@@ -315,18 +316,14 @@ def _prompt_plan(seq_lens, table, block_size):
                            max(seq_lens))
 
 
-def _row_size(L, dI, kp):
-    return L + -(-dI * (2 * kp - 1) // kp)  # config.TextArch.cache_row_size
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_pooled_keys_matches_torch(dtype):
     """The mixed batch's new tokens (decodes, prefill chunks, one whose first pool started in the cached context,
     a request without tokens, padded slots): both forms store the same pooled keys and touch nothing else."""
     kp, dI, lead, bs = 4, 21, 10, 8
     gen = _gen(24)
-    cache, table = _paged(SEQ_LENS, _row_size(lead, dI, kp), bs, dtype, 25,
-                          lambda r, S: torch.randn(S, _row_size(lead, dI, kp), generator=gen))
+    cache, table = _paged(SEQ_LENS, cache_row_size(lead, dI, kp), bs, dtype, 25,
+                          lambda r, S: torch.randn(S, cache_row_size(lead, dI, kp), generator=gen))
     starts = _batch_meta(Q_LENS)
     slots = []
     for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
@@ -362,8 +359,8 @@ def test_select_batch_identical_to_torch(integer_valued, dtype):
     check the general case."""
     topk, kp, dI, nI, lead, bs = 16, 4, 16, 3, 10, 8
     gen = _gen(22)
-    cache, table = _paged(SEQ_LENS, _row_size(lead, dI, kp), bs, dtype, 23,
-                          lambda r, S: torch.zeros(S, _row_size(lead, dI, kp)))
+    cache, table = _paged(SEQ_LENS, cache_row_size(lead, dI, kp), bs, dtype, 23,
+                          lambda r, S: torch.zeros(S, cache_row_size(lead, dI, kp)))
     prompts = _prompt_plan(SEQ_LENS, table, bs)
     if integer_valued:
         key = torch.randint(-2, 3, (prompts.num_tokens, dI), generator=gen).float()

@@ -84,6 +84,7 @@ from vllm_glm53.backends.cuda import kda as kda_gpu  # noqa: E402
 from vllm_glm53.backends.cuda import sparse_mla as mla_gpu  # noqa: E402
 from vllm_glm53.backends.pages import page_views, write_tokens  # noqa: E402
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots  # noqa: E402
+from vllm_glm53.config import cache_row_size  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # The interpreter computes in float32 (numpy): measured largest error 1.5e-6 of the reference's magnitude (the
@@ -411,16 +412,12 @@ def paged_plan(lengths, q_lens, table, block_size, unstored=()) -> LatentCachePl
     return LatentCachePlan(**{**fields, "slot_mapping": slots})
 
 
-def page_row(L: int, dI: int) -> int:
-    return L + -(-dI * (2 * KP - 1) // KP)  # config.TextArch.cache_row_size
-
-
 def test_indexer_store_pooled_keys():
     """The pooled keys a step stores: a prompt, a prefill chunk whose first pool started in the cached context,
     decodes completing a pool or not, a request without tokens, a pool-completing token that is not stored."""
     L, dI, bs = 32, 16, 8
     lengths, q_lens = [46, 13, 20, 90, 7], [46, 1, 1, 31, 0]
-    cache, table, _ = paged_cache(lengths, page_row(L, dI) + 1, bs, seed=62)
+    cache, table, _ = paged_cache(lengths, cache_row_size(L, dI, KP) + 1, bs, seed=62)
     plan = paged_plan(lengths, q_lens, table, bs, unstored=[7])
     g = gen(63)
     ape = randn(KP, dI, g=g)
@@ -443,7 +440,7 @@ def test_indexer_select_batch_paged():
     """The batch form over the paged cache: a prefill chunk, and decodes below and far above index_topk."""
     L, dI, topk, bs = 32, 16, 16, 8
     lengths, q_lens = [46, 13, 204, 90], [16, 1, 1, 1]
-    cache, table, _ = paged_cache(lengths, page_row(L, dI), bs, seed=60)
+    cache, table, _ = paged_cache(lengths, cache_row_size(L, dI, KP), bs, seed=60)
     seqs = [cache_rows(S, L, dI, seed=64 + r) for r, S in enumerate(lengths)]  # each request's [latent|key|gate]
     prompts = paged_plan(lengths, lengths, table, bs)
     pages = page_views(cache, L, dI, KP)

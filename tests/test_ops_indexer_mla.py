@@ -10,6 +10,7 @@ from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import sparse_mla as mla
 from vllm_glm53.backends.pages import page_views, write_tokens
 from vllm_glm53.backends.plans import LatentCachePlan
+from vllm_glm53.config import cache_row_size
 
 torch.set_num_threads(2)
 
@@ -122,7 +123,7 @@ def test_select_tokens_dense_fast_path_and_errors(impl):
 # ---------------------------------------------------------------------------------------------------------
 
 KP, DI, LEAD = 4, 6, 3
-ROW = LEAD + -(-DI * (2 * KP - 1) // KP) + 1  # the page layout's row (config.py) and one spare column
+ROW = cache_row_size(LEAD, DI, KP) + 1  # the page layout's row and one spare column
 
 
 class PagedSequences:

@@ -12,18 +12,19 @@ Each entry: why, how, and the upstream change that would retire it.
    Why: vLLM's own model cannot import or run there. How: ``ModelRegistry.register_model`` over the in-tree
    name. Retire: vLLM's GLM5Next gaining CPU/XPU ops.
 2. Arch-config convertor for ``glm5_next`` / ``glm5_next_text`` in ``MODEL_ARCH_CONFIG_CONVERTORS``
-   (:func:`register_text_arch`), with the plugin's model only. It answers two questions vLLM asks about the
-   model type. (a) The token page: vLLM sizes a hybrid model's token page from ``kv_lora_rank`` (512) while the
-   plugin's cache row holds 736 values (latent, pooled and raw indexer inputs: backends/latent_cache.py), padding
-   every KDA state page about 1.4x; the convertor's ``get_head_size`` reports the real row. (b) Whether vLLM's MLA machinery applies (``is_deepseek_mla``, read by
-   ``ModelConfig.use_mla``): it does not, the layers carry their own latent-cache backend and never reach vLLM's
-   MLA wrapper or selector. Answering "yes" (vLLM's hard-coded list) made vLLM's CPU platform apply its policy
-   for its own reference MLA kernel: block 16, no chunked prefill, no prefix caching, one-step prefill
-   (``platforms/cpu.py``), and then reject its own hybrid config ("--mamba-block-size can only be set with
-   --enable-prefix-caching"). Answering "no" gives the CPU defaults any hybrid model gets (block 128, chunked
-   prefill, prefix caching in align mode); the latent backend's ``customize_spec`` keeps the page arithmetic on
-   the real MLA-style row. Retire: (a) a model-class hook for the attention page size, (b) vLLM deciding its MLA
-   policy from the attention backend the layers use rather than from a model-type list.
+   (:func:`register_text_arch`), with the plugin's model only. It answers two questions vLLM asks about the model
+   type. (a) The token page: vLLM sizes a hybrid model's token page from ``kv_lora_rank`` (512) while the plugin's
+   cache row holds 736 values (latent, pooled and raw indexer inputs: backends/latent_cache.py), padding every KDA
+   state page about 1.4x; the convertor's ``get_head_size`` reports the real row. (b) Whether vLLM's MLA machinery
+   applies (``is_deepseek_mla``, read by ``ModelConfig.use_mla``): it does not, the layers carry their own
+   latent-cache backend and never reach vLLM's MLA wrapper or selector. Answering "yes" (vLLM's hard-coded list)
+   made vLLM's CPU platform apply its policy for its own reference MLA kernel: block 16, no chunked prefill, no
+   prefix caching, one-step prefill (``platforms/cpu.py``), and then reject its own hybrid config
+   ("--mamba-block-size can only be set with --enable-prefix-caching"). Answering "no" gives the CPU defaults any
+   hybrid model gets (block 128, chunked prefill, prefix caching in align mode); the latent backend's
+   ``customize_spec`` keeps the page arithmetic on the real MLA-style row. Retire: (a) a model-class hook for the
+   attention page size, (b) vLLM deciding its MLA policy from the attention backend the layers use rather than from
+   a model-type list.
 3. The platform's quantization allow-list (:func:`register_quantization_config`). Why: vLLM appends a newly
    registered method to ``current_platform.supported_quantization`` only on the first registration, and
    platforms with a list (NPU) reject others. How: append our name when missing. Retire: vLLM appending on
@@ -220,11 +221,11 @@ def register_text_arch(model_types: tuple[str, ...], row_size) -> bool:
     """Tell vLLM, per model type, how many values one cached token of this model's attention layers holds
     (``row_size(hf_text_config)``) and that vLLM's own MLA machinery does not apply to them (ledger entry 2).
 
-    vLLM sizes the token block of a hybrid model so that one attention page covers one KDA state page, and takes
-    the per-token size from ``ModelConfig.get_head_size()``: ``kv_lora_rank + qk_rope_head_dim`` for MLA models,
-    512 here. This model's cache pages also hold the indexer's pooled keys and raw inputs (736 values a token). And vLLM keys
-    its platform policies on ``ModelConfig.use_mla`` (on CPU: block 16, chunked prefill and prefix caching off),
-    which describe vLLM's MLA kernels, not the plugin's latent-cache backend. vLLM's hook for model-specific
+    vLLM sizes the token block of a hybrid model so that one attention page covers one KDA state page, and takes the
+    per-token size from ``ModelConfig.get_head_size()``: ``kv_lora_rank + qk_rope_head_dim`` for MLA models, 512
+    here. This model's cache pages also hold the indexer's pooled keys and raw inputs (736 values a token). And vLLM
+    keys its platform policies on ``ModelConfig.use_mla`` (on CPU: block 16, chunked prefill and prefix caching
+    off), which describe vLLM's MLA kernels, not the plugin's latent-cache backend. vLLM's hook for model-specific
     architecture facts is a per-``model_type`` arch-config convertor; ours answers both. Returns whether it was
     installed (not where the vLLM lacks the hook or another plugin already claimed the type).
     """

@@ -55,6 +55,12 @@ def _indexer_types(cfg: Any, n: int) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
 
 
+def cache_row_size(latent_dim: int, index_dim: int, kp: int) -> int:
+    """Values per token in a sparse-MLA layer's cache page (vllm_glm53/backends/latent_cache.py): the latent, a
+    kp-th of a pooled indexer key, and the raw key and pooling-gate logits of kp - 1 tokens in kp."""
+    return latent_dim + -(-index_dim * (2 * kp - 1) // kp)
+
+
 @dataclass(frozen=True)
 class TextArch:
     """Everything the text model needs, with real names (architecture.md §1.3)."""
@@ -116,10 +122,8 @@ class TextArch:
 
     @property
     def cache_row_size(self) -> int:
-        """Values per token in a sparse-MLA layer's cache page (vllm_glm53/backends/latent_cache.py): the latent,
-        a kp-th of a pooled indexer key, and the raw key and pooling-gate logits of kp - 1 tokens in kp."""
-        dI, kp = self.index_head_dim, self.index_kpool
-        return self.kv_lora_rank + -(-dI * (2 * kp - 1) // kp)
+        """Values per token in a sparse-MLA layer's cache page (:func:`cache_row_size`)."""
+        return cache_row_size(self.kv_lora_rank, self.index_head_dim, self.index_kpool)
 
     def selection_in_flight(self, boundary: int) -> bool:
         """Whether the sparse selection of a ``full`` layer before ``boundary`` is still needed by a ``shared``
