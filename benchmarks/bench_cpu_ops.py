@@ -39,6 +39,10 @@ Routed-expert rows time one MoE block's experts (the kernel-friendly tiny's 8 ex
 the torch loop and as the compiled kernel called directly (the backend picks the loop above a batch threshold),
 each call on its own cold set of weights.
 
+Linear rows time one layer with a bfloat16 weight (4096 x 4096) as vLLM's CPU linear layers run it where the CPU
+has no native bfloat16 (torch's bfloat16 ``F.linear``), as a float32 model would (float32 weight, twice the bytes)
+and through the compiled ``linear16`` the plugin puts there (backends/cpu/linear.py).
+
 The machine may be shared: other processes on the same cores stretch single calls (the median absorbs a few).
 """
 
@@ -53,6 +57,7 @@ import torch
 
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import kda, kernels, mhc, moe
+from vllm_glm53.backends.cpu import linear as lin16
 from vllm_glm53.backends.cpu import sparse_mla as mla
 from vllm_glm53.backends.pages import page_views
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
@@ -384,6 +389,43 @@ def bench_moe(E: int, D: int, inter: int, k: int, batches: list[int], bw: float,
     return out
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Linear layers with 16-bit weights
+# --------------------------------------------------------------------------------------------------------------
+
+
+def bench_linear16(N: int, K: int, batches: list[int], bw: float, repeat: int, ops) -> list[str]:
+    out = [
+        f"Linear layer with a bfloat16 weight [{N}, {K}] and bfloat16 activations, cold weights; times in µs; "
+        "floor = the bfloat16 weight's bytes / read bandwidth",
+        "",
+        row("batch", "torch bf16 (vLLM's fallback)", "torch, float32 weight", "compiled linear16", "floor",
+            "x floor", "speed-up vs bf16", "vs float32"),
+        row(*["---"] * 8),
+    ]
+    # Disjoint weight copies for the three columns, each a float32 copy beside its bfloat16 one (what a float32
+    # model would hold).
+    n = copies_for(6 * N * K, repeat)
+    weights = [torch.randn(N, K).div_(K**0.5).bfloat16() for _ in range(n)]
+    weights32 = [w.float() for w in weights]
+    F = torch.nn.functional
+    for T in batches:
+        x = torch.randn(T, K).bfloat16()
+        x32 = x.float()
+        t_comp = None
+        if ops is not None:
+            # float32 tokens, so both outputs are the unrounded float32 sums
+            check(ops.linear16(x32, weights[0]), lin16.linear16_torch(x32, weights[0]), f"linear16, batch {T}")
+            t_comp = median_time(lambda i: ops.linear16(x, weights[i % n]), repeat)
+        t_bf16 = median_time(lambda i: F.linear(x, weights[i % n]), repeat, first=repeat + 1)
+        t_f32 = median_time(lambda i: F.linear(x32, weights32[i % n]), repeat, first=2 * (repeat + 1))
+        floor = N * K * 2 / bw
+        out.append(row(T, fmt_us(t_bf16), fmt_us(t_f32), fmt_us(t_comp), fmt_us(floor),
+                       f"{t_comp / floor:.1f}" if t_comp else "—", f"{t_bf16 / t_comp:.1f}x" if t_comp else "—",
+                       f"{t_f32 / t_comp:.1f}x" if t_comp else "—"))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -391,14 +433,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4, help="KDA and MLA heads (4: the kernel-friendly tiny)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per MLA / indexer decode step")
     parser.add_argument("--max-context", type=int, default=8192)
-    parser.add_argument("--only", choices=["kda", "mla", "indexer", "mhc", "moe"], action="append")
+    parser.add_argument("--only", choices=["kda", "mla", "indexer", "mhc", "moe", "linear16"], action="append")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ops = kernels.ops()
     read_bw, update_bw = bandwidths(args.repeat)
     contexts = [c for c in (16, 64, 256, 1024, 4096, 16384, 65536) if c <= args.max_context]
-    only = set(args.only or ["kda", "mla", "indexer", "mhc", "moe"])
+    only = set(args.only or ["kda", "mla", "indexer", "mhc", "moe", "linear16"])
 
     print(f"# CPU ops: {kernels.description()}; torch {torch.__version__}, {args.threads} threads; "
           f"bandwidth: read {read_bw / 1e9:.1f} GB/s, in-place update {update_bw / 1e9:.1f} GB/s (read + write)\n")
@@ -416,6 +458,8 @@ def main() -> None:
         show(bench_mhc(4096, [1, 16, 64], args.repeat, ops))
     if "moe" in only:
         show(bench_moe(8, 512, 256, 2, [1, 16, 64, 512], read_bw, args.repeat, ops))
+    if "linear16" in only:
+        show(bench_linear16(4096, 4096, [1, 4, 16, 64, 512], read_bw, args.repeat, ops))
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,5 @@
 // Weight rows dotted with a few token rows: the inner loops of the decode-sized matrix products (moe.cpp,
-// fp8_linear.cpp), and the block-FP8 pieces they share.
+// linear.cpp), and the block-FP8 pieces they share.
 //
 // Rows go R at a time (1 or 2) against up to kTok tokens at a time (4 with AVX-512, 2 with 16 vector registers),
 // so each loaded lane group of a weight row feeds kTok FMAs and R * kTok accumulators hide the FMA latency

@@ -42,6 +42,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x, const at::Tensor& w13, const at:
                            const at::Tensor& weights, double swiglu_limit, int64_t block_n, int64_t block_k);
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::IntArrayRef parts,
                       int64_t block_n, int64_t block_k);
+at::Tensor linear16(const at::Tensor& x, const at::Tensor& weight);
 
 // "<isa> torch <version>": what this library was built for, checked by the loader and shown in its log line.
 std::string build_info() { return std::string(isa_name()) + " torch " + TORCH_VERSION; }
@@ -71,6 +72,7 @@ TORCH_LIBRARY(vllm_glm53, m) {
   m.def("moe_experts_fp8(Tensor x, Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale, Tensor ids,"
         " Tensor weights, float swiglu_limit, int block_n, int block_k) -> Tensor");
   m.def("fp8_linear(Tensor x, Tensor weight, Tensor scale, int[] parts, int block_n, int block_k) -> Tensor");
+  m.def("linear16(Tensor x, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
@@ -89,4 +91,5 @@ TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
   m.impl("moe_experts", &glm53::moe_experts);
   m.impl("moe_experts_fp8", &glm53::moe_experts_fp8);
   m.impl("fp8_linear", &glm53::fp8_linear);
+  m.impl("linear16", &glm53::linear16);
 }

@@ -597,14 +597,29 @@ def test_routed_experts_match_transformers_experts(T):
     _close(moe.routed_experts(x, w13, w2, ids, weights, SWIGLU_LIMIT), want, ulps=10)
 
 
-def test_large_bf16_batches_take_the_kernel_unless_the_cpu_multiplies_bf16(monkeypatch):
-    """torch's bfloat16 GEMMs beat the kernel on large batches only where the CPU has bf16 dot products; elsewhere
-    (every AVX2-only CPU) they convert inside and the kernel keeps every batch. float32 does not depend on it."""
+def test_large_16bit_batches_leave_the_kernel_for_per_expert_gemms(monkeypatch):
+    """Above a batch threshold per expert, GEMMs beat the kernel: torch's where the CPU multiplies bfloat16 natively
+    (from 16 pairs per expert), the loop over ``linear16`` where it does not (from WIDENED_MIN_PAIRS; torch's
+    16-bit GEMMs convert inside there and never win). float32 does not depend on it."""
     bf16 = _moe_inputs(600, 2, torch.bfloat16, seed=54)  # 150 pairs per expert
     f32 = _moe_inputs(600, 2, torch.float32, seed=54)
+    small = _moe_inputs(3, 2, torch.bfloat16, seed=55)
     for native in (False, True):
-        monkeypatch.setattr(moe, "_native_bf16", lambda: native)
-        reason = moe._experts_check(*bf16, SWIGLU_LIMIT)
-        assert (reason is None) == (not native), (native, reason)
-        assert "torch's GEMMs are faster" in moe._experts_check(*f32, SWIGLU_LIMIT)
-        assert moe._experts_check(*_moe_inputs(3, 2, torch.bfloat16, seed=55), SWIGLU_LIMIT) is None
+        monkeypatch.setattr(moe, "native_16bit", lambda dtype: native)
+        assert "per-expert GEMMs are faster" in moe._experts_check(*bf16, SWIGLU_LIMIT)
+        assert "per-expert GEMMs are faster" in moe._experts_check(*f32, SWIGLU_LIMIT)
+        assert moe._experts_check(*small, SWIGLU_LIMIT) is None
+        assert (moe._widened_check(*bf16, SWIGLU_LIMIT) is None) == (not native)
+        assert moe._widened_check(*f32, SWIGLU_LIMIT) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_widened_experts_match_the_reference(dtype):
+    """The per-expert loop on ``linear16`` (16-bit experts, many tokens, no native 16-bit arithmetic) against the
+    torch loop in the same dtype: the same roundings to 16 bits of gate_up, h and y on the way."""
+    x, w13, w2, ids, weights = _moe_inputs(600, 2, dtype, seed=57)
+    got = moe.routed_experts_widened(x, w13, w2, ids, weights, SWIGLU_LIMIT)
+    want = moe.routed_experts_torch(x, w13, w2, ids, weights, SWIGLU_LIMIT)
+    assert got.dtype == torch.float32
+    # measured (ulps of max|reference|, in 16-bit ulps, avx2 / portable): bfloat16 0 / 0, float16 0.26 / 0.26
+    _close(got.to(dtype), want.to(dtype), ulps=4)

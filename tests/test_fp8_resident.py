@@ -1,11 +1,11 @@
-"""FP8-resident weights on CPU (backends/cpu/fp8.py, csrc/fp8_linear.cpp, csrc/moe.cpp): the compiled block-FP8
+"""FP8-resident weights on CPU (backends/cpu/fp8.py, csrc/linear.cpp, csrc/moe.cpp): the compiled block-FP8
 products against dequantize-then-multiply, and the layers that keep the checkpoint's bytes.
 
 Weights are quantized from random floats, then every block scale is multiplied by its own power of two in [1/4, 4]
 (exact), so blocks of one weight differ in magnitude by up to 16x: reading a neighbour's scale (a swapped axis, a
 ragged block, a fused part's offset) changes the output by far more than any tolerance here. Shapes have ragged
-last blocks in both directions, fused parts whose first block rows are ragged, and token counts on both kernel
-paths (direct: at most 2 x kTok tokens; tile: more). Outputs are compared in units of ``ulp(max|reference|)`` as
+last blocks in both directions, fused parts whose first block rows are ragged, and token counts on every kernel
+path (direct: at most 2 x kTok tokens; dense linears: tile below 32 tokens, panels from 32; experts: tile). Outputs are compared in units of ``ulp(max|reference|)`` as
 in test_cpu_kernels.py; each tolerance is about 4x the largest error measured on the avx2 and the portable path.
 
 Every instruction set this CPU runs is checked: ``test_other_instruction_sets`` runs this module again in a
@@ -79,7 +79,7 @@ def _fused(parts: list[int], k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("M", [1, 9])  # the direct path and the tile path
+@pytest.mark.parametrize("M", [1, 9, 33])  # the direct path, the tile path and the panels
 def test_every_e4m3_code_converts_exactly(M):
     """All 256 codes (subnormals, both zeros, the largest +-448), through both kernel paths: one-hot tokens pick
     one column of a weight holding every code, scale 1. e4m3fn's two NaN codes read as +-480 (csrc/vec.h)."""
@@ -98,7 +98,7 @@ def test_every_e4m3_code_converts_exactly(M):
 
 
 @pytest.mark.parametrize("exponent", [-40, 40])
-@pytest.mark.parametrize("M", [1, 9])  # the direct path and the tile path
+@pytest.mark.parametrize("M", [1, 9, 40])  # the direct path, the tile path and the panels
 def test_block_scales_far_from_one(exponent, M):
     """The kernels fold the E4M3 read unit (2^-120 on avx2, csrc/vec.h) into the token rows and the sums: token
     times scale far above 2^8 must not overflow (the whole 2^120 on the tokens would), nor far below 1 lose
@@ -118,12 +118,13 @@ def test_block_scales_far_from_one(exponent, M):
 # ---------------------------------------------------------------------------------------------------------
 
 # (parts, K): exact blocks; one ragged part in both directions; fused ragged parts (the second starts inside a
-# block row of the fused weight, its scales at row 2); three parts and a K below one lane group's multiple.
-LINEAR_SHAPES = [([256], 256), ([200], 320), ([200, 200], 320), ([72, 128, 40], 100)]
+# block row of the fused weight, its scales at row 2); three parts and a K below one lane group's multiple; two
+# parts larger than a panel (K = 320: 3,276 rows), so panels end inside parts and inside row blocks.
+LINEAR_SHAPES = [([256], 256), ([200], 320), ([200, 200], 320), ([72, 128, 40], 100), ([3300, 3500], 320)]
 
 
 @pytest.mark.parametrize("parts,K", LINEAR_SHAPES)
-@pytest.mark.parametrize("M", [1, 3, 16])  # direct path (up to 2 x kTok tokens), tile path
+@pytest.mark.parametrize("M", [1, 3, 16, 40])  # direct path (up to 2 x kTok tokens), tile path, panels
 def test_fp8_linear_matches_dequantize_then_matmul(parts, K, M):
     gen = _gen(M * 100 + K)
     weight, scale = _fused(parts, K, gen)

@@ -307,6 +307,32 @@ def test_sparse_latent_attention_equals_expanded_mha(pad_to, impl):
     torch.testing.assert_close(o_small, o_lat, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_absorption_weights_widen_where_the_cpu_has_no_bfloat16(native, monkeypatch):
+    """On a CPU without native bfloat16 W_UK / W_UV are kept in float32 and the two products run in float32 (torch's
+    bfloat16 batched GEMMs convert inside there); the results come back in the activation dtype, within one
+    bfloat16 rounding of the float64 products."""
+    from vllm_glm53.backends.cpu import linear
+
+    monkeypatch.setattr(linear, "native_16bit", lambda dtype: native)
+    gen = torch.Generator().manual_seed(9)
+    H, dn, dv, L, T = 3, 8, 6, 32, 5
+    kv_b = (torch.randn(H * (dn + dv), L, generator=gen) * 0.3).bfloat16()
+    w_uk, w_uv = mla.split_kv_b(kv_b, H, dn, dv)
+    assert w_uk.dtype == w_uv.dtype == (torch.bfloat16 if native else torch.float32)
+    heads = kv_b.double().view(H, dn + dv, L)
+    assert torch.equal(w_uk.double(), heads[:, :dn]) and torch.equal(w_uv.double(), heads[:, dn:])
+    q_nope = torch.randn(T, H, dn, generator=gen).bfloat16()
+    q_lat = mla.absorb_q(q_nope, w_uk)
+    want = torch.einsum("thd,hdl->thl", q_nope.double(), heads[:, :dn])
+    assert q_lat.dtype == torch.bfloat16
+    torch.testing.assert_close(q_lat.double(), want, rtol=2**-7, atol=1e-6)
+    out = mla.apply_uv(q_lat, w_uv)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), torch.einsum("thl,hvl->thv", q_lat.double(), heads[:, dn:]),
+                               rtol=2**-7, atol=2**-7 * want.abs().max().item())
+
+
 def test_sparse_latent_attention_empty_row_and_bf16(impl):
     gen = torch.Generator().manual_seed(8)
     q, latent = torch.randn(2, 2, 4, generator=gen).bfloat16(), torch.randn(5, 4, generator=gen).bfloat16()

@@ -95,6 +95,14 @@ Each entry: why, how, and the upstream change that would retire it.
    each ``sample_tokens`` (which every rank runs), the last stage broadcasts the kept counts over the pipeline group
    and the other stages run vLLM's own after-sampling update with them (same batch rows on every stage). Retire:
    the V1 runner and scheduler supporting drafts with PP (vLLM's V2 model runner does, on GPUs).
+11. The CPU GEMM of linear layers with 16-bit weights (:func:`cpu_gemm_layers`, :func:`set_cpu_gemm`), in the
+   plugin's model only, after loading (its ``process_weights_after_loading`` hook, which vLLM calls after every
+   layer's own). Why: where the CPU has no native bfloat16 / float16 arithmetic, vLLM's CPU dispatch
+   (``dispatch_cpu_unquantized_gemm``) cannot build its oneDNN GEMM for them and falls back to torch's
+   ``F.linear``, about 6x slower than float32 for prefill and up to 25x the weight-read time for decode batches
+   (``backends/cpu/linear.py``). How: the layers' ``cpu_linear`` attribute, which vLLM's CPU linear and LM-head
+   methods call as ``cpu_linear(x, weight, bias)``, is replaced where vLLM kept the weight (a weight it packed for
+   its own GEMM keeps its GEMM). Retire: vLLM's CPU dispatch widening 16-bit weights for its float32 GEMM.
 """
 
 from __future__ import annotations
@@ -870,6 +878,23 @@ def cpu_skip_gemm_dispatch(linear) -> None:
     weight directly (MLA absorbs ``kv_b_proj`` into per-head matrices) must opt out with this flag.
     """
     linear._cpu_skip_gemm_dispatch = True
+
+
+def cpu_gemm_layers(model):
+    """The layers of ``model`` that vLLM's CPU platform runs through ``layer.cpu_linear(x, weight, bias)`` (linear
+    layers and the LM head, once loaded) and whose 2-D weight it kept (ledger 11)."""
+    import torch
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (callable(getattr(module, "cpu_linear", None)) and isinstance(weight, torch.Tensor) and weight.dim() == 2
+                and weight.numel() > 0):
+            yield module
+
+
+def set_cpu_gemm(layer, fn) -> None:
+    """Make ``fn(x, weight, bias)`` the CPU GEMM vLLM calls for ``layer`` (ledger 11)."""
+    layer.cpu_linear = fn
 
 
 def is_cpu_platform() -> bool:

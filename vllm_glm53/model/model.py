@@ -45,7 +45,7 @@ from vllm_glm53.model.multimodal import (
 )
 from vllm_glm53.model.norm import RMSNorm
 from vllm_glm53.model.vision import Glm5NextVisionTower, vision_arch
-from vllm_glm53.model.weights import WeightLoader
+from vllm_glm53.model.weights import WeightLoader, after_weights_processed
 from vllm_glm53.serving import PLUGIN_MODEL, refusals
 
 
@@ -208,6 +208,9 @@ class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
         loaded = loader.load(weights)
         loader.check_complete()
         return loaded
+
+    def process_weights_after_loading(self) -> None:
+        after_weights_processed(self)
 
     # --- hybrid-state sizing (vLLM asks before building the model) ---------------------------------------------
 

@@ -30,7 +30,7 @@ from vllm_glm53.config import TextArch, text_arch
 from vllm_glm53.model.mla import Glm5NextSparseMLA
 from vllm_glm53.model.moe import Glm5NextMLP, Glm5NextMoE
 from vllm_glm53.model.norm import RMSNorm
-from vllm_glm53.model.weights import CheckpointError, WeightLoader
+from vllm_glm53.model.weights import CheckpointError, WeightLoader, after_weights_processed
 from vllm_glm53.quant import w8a8
 
 
@@ -121,3 +121,6 @@ class Glm5NextMTPModel(nn.Module):
                                   "run without --speculative-config")
         loader.check_complete()
         return loaded
+
+    def process_weights_after_loading(self) -> None:
+        after_weights_processed(self)

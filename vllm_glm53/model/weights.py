@@ -200,3 +200,15 @@ class WeightLoader:
             return
         param.weight_loader(param, tensor, shard)
         self.loaded.add(name)
+
+
+def after_weights_processed(model: nn.Module) -> None:
+    """What a loaded model does once vLLM has post-processed every layer (its model-level
+    ``process_weights_after_loading`` hook): on a CPU, the linear layers whose 16-bit weights the CPU has no
+    arithmetic for move to the compiled kernel (``backends/cpu/linear.py``)."""
+    from vllm_glm53 import _vllm
+
+    if _vllm.is_cpu_platform():
+        from vllm_glm53.backends.cpu.linear import take_16bit_gemms
+
+        take_16bit_gemms(model)

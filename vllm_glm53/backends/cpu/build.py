@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-SOURCES = ("registration.cpp", "kda.cpp", "indexer.cpp", "sparse_mla.cpp", "mhc.cpp", "moe.cpp", "fp8_linear.cpp")
+SOURCES = ("registration.cpp", "kda.cpp", "indexer.cpp", "sparse_mla.cpp", "mhc.cpp", "moe.cpp", "linear.cpp")
 HEADERS = ("vec.h", "common.h", "gemv.h")
 
 # Per instruction set, best first: the /proc/cpuinfo flags a CPU needs to run it and the compiler flags that make

@@ -5,41 +5,44 @@
 expert's weights once, and the per-expert torch loop pays, per expert, a gather, two small GEMMs (each an
 OpenMP fork/join), the activation and a scatter-add on top of that. With many tokens per expert the work is
 compute-bound and torch's GEMMs are as fast (float32) or faster (bfloat16 on CPUs that multiply it natively), so
-larger batches keep the torch loop there.
+larger batches keep the torch loop there; on CPUs without native 16-bit arithmetic, where torch's 16-bit GEMMs
+are slow, 16-bit experts take the same loop with each product on the compiled ``linear16``
+(:func:`routed_experts_widened`, backends/cpu/linear.py).
 :func:`routed_experts_torch` is that loop, the reference the kernel is tested against.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from vllm_glm53.backends.cpu import kernels
+from vllm_glm53.backends.cpu.linear import linear16, native_16bit
 from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
 
 __all__ = ["clamped_swiglu", "group_by_expert", "routed_experts"]
 
-@functools.cache
-def _native_bf16() -> bool:
-    """Whether the CPU multiplies bfloat16 natively (AVX512_BF16 dot products or AMX tiles)."""
-    from vllm_glm53.backends.cpu.build import cpu_flags
-
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+# Mean (token, choice) pairs per expert above which 16-bit experts go through per-expert ``linear16`` products on a
+# CPU without native 16-bit arithmetic (the measurement is in kernel_max_pairs).
+WIDENED_MIN_PAIRS = 64
 
 
 def kernel_max_pairs(dtype: torch.dtype) -> int | None:
     """Mean (token, choice) pairs per expert up to which the kernel takes weights of ``dtype`` (None: always).
 
     Measured on 2 threads: in float32 the kernel runs at about the FMA rate of torch's GEMMs and is ahead up to
-    ~256 pairs per expert (E = 8, D = 512, I = 256, k = 2, cold weights; float16, which torch computes slowly on
-    CPUs, further). torch's bfloat16 GEMMs use the CPU's bf16 dot products where it has them and overtake the
-    kernel from ~32 pairs (AVX-512 machine with AVX512_BF16); without them (every AVX2-only CPU) they convert
-    inside and stay 3.3x slower than the kernel even at 256 pairs per expert (E = 64, D = 512, I = 256, k = 8:
-    967 vs 296 ms for 2,048 tokens)."""
+    ~256 pairs per expert (E = 8, D = 512, I = 256, k = 2, cold weights). torch's bfloat16 GEMMs use the CPU's
+    bf16 dot products where it has them and overtake the kernel from ~32 pairs (AVX-512 machine with
+    AVX512_BF16). Without native 16-bit arithmetic (every AVX2-only CPU) torch's 16-bit GEMMs convert inside and
+    stay slower than the kernel at any batch; there the per-expert products of :func:`routed_experts_widened`
+    (``linear16``: the weights widened panel by panel for torch's float32 GEMM) take over above
+    ``WIDENED_MIN_PAIRS``: on 2 threads of an AMD EPYC (AVX2), bfloat16, D = 512, I = 256, E = 8 (k = 2) and
+    E = 64 (k = 8), the two were even at 64-96 pairs per expert, the loop 2.2x / 1.5x slower at 8 / 32 and
+    1.5-2x faster at 256-512."""
+    if dtype in (torch.bfloat16, torch.float16) and not native_16bit(dtype):
+        return WIDENED_MIN_PAIRS
     if dtype == torch.bfloat16:
-        return 16 if _native_bf16() else None
+        return 16
     return 128 if dtype in (torch.float32, torch.float16) else None
 
 
@@ -52,13 +55,27 @@ def _experts_check(x, w13, w2, ids, weights, swiglu_limit):
         return f"needs one weight dtype, got {w13.dtype} and {w2.dtype}"
     limit = kernel_max_pairs(w13.dtype)
     if limit is not None and ids.numel() > limit * w13.shape[0]:
-        return f"more than {limit} (token, expert) pairs per expert in {w13.dtype}: torch's GEMMs are faster there"
+        return f"more than {limit} (token, expert) pairs per expert in {w13.dtype}: per-expert GEMMs are faster there"
+    return _expert_tensors(x, w13, w2, ids, weights, swiglu_limit)
+
+
+def _widened_check(x, w13, w2, ids, weights, swiglu_limit):
+    if w13.dtype != w2.dtype or w13.dtype not in (torch.bfloat16, torch.float16):
+        return f"needs one 16-bit weight dtype, got {w13.dtype} and {w2.dtype}"
+    if native_16bit(w13.dtype):
+        return f"this CPU multiplies {w13.dtype} natively: torch's GEMMs take it"
     return _expert_tensors(x, w13, w2, ids, weights, swiglu_limit)
 
 
 @routed_experts.register("compiled", _experts_check)
 def _routed_experts_compiled(x, w13, w2, ids, weights, swiglu_limit):
     return kernels.ops().moe_experts(x, w13, w2, ids, weights, float(swiglu_limit))
+
+
+@routed_experts.register("widened", _widened_check)
+def routed_experts_widened(x, w13, w2, ids, weights, swiglu_limit):
+    """The loop of :func:`routed_experts_torch` with each product on the compiled ``linear16``."""
+    return _per_expert(x, w13, w2, ids, weights, swiglu_limit, linear16)
 
 
 @routed_experts.register("torch")
@@ -77,6 +94,10 @@ def routed_experts_torch(
 
     Plain torch (any device): one GEMM pair per expert that received tokens.
     """
+    return _per_expert(x, w13, w2, ids, weights, swiglu_limit, F.linear)
+
+
+def _per_expert(x, w13, w2, ids, weights, swiglu_limit, linear) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     order, token_of, counts = group_by_expert(ids, w13.shape[0])
     start = 0
@@ -86,8 +107,8 @@ def routed_experts_torch(
         pairs = order[start : start + n]
         tokens = token_of[start : start + n]
         start += n
-        h = clamped_swiglu(F.linear(x[tokens], w13[expert]), swiglu_limit)
-        y = F.linear(h, w2[expert])
+        h = clamped_swiglu(linear(x[tokens], w13[expert]), swiglu_limit)
+        y = linear(h, w2[expert])
         out.index_add_(0, tokens, y.to(torch.float32) * weights.reshape(-1)[pairs, None])
     return out
 

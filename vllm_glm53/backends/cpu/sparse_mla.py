@@ -33,21 +33,39 @@ def split_kv_b(
     kv_b_weight: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split ``kv_b_proj.weight [H*(dn+dv), L]`` (per head: dn key rows then dv value rows) into
-    ``w_uk [H, dn, L]`` and ``w_uv [H, dv, L]``."""
+    ``w_uk [H, dn, L]`` and ``w_uv [H, dv, L]``.
+
+    On a CPU without native arithmetic for a 16-bit weight dtype the two come back in float32, so that
+    :func:`absorb_q` and :func:`apply_uv` multiply in float32: torch's bfloat16 batched GEMMs there convert inside
+    their loops (on an AVX2 machine a 2,048-token prefill spent 70 % of its time in these two products). They
+    are a small part of the weights (2 x the latent x the heads' key and value widths per MLA layer)."""
     w = kv_b_weight.view(num_heads, nope_dim + v_dim, kv_b_weight.shape[-1])
+    if w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16):
+        from vllm_glm53.backends.cpu.linear import native_16bit
+
+        if not native_16bit(w.dtype):
+            w = w.float()
     return w[:, :nope_dim].contiguous(), w[:, nope_dim:].contiguous()
 
 
 def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """``q_lat[t, h] = W_UK[h]^T q_nope[t, h]``: ``[T, H, dn] x [H, dn, L] -> [T, H, L]`` in ``q_nope.dtype``."""
-    out = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype))  # [H, T, L]
-    return out.transpose(0, 1)
+    """``q_lat[t, h] = W_UK[h]^T q_nope[t, h]``: ``[T, H, dn] x [H, dn, L] -> [T, H, L]`` in ``q_nope.dtype``,
+    computed in the wider of the two dtypes."""
+    wide = _wider(q_nope.dtype, w_uk.dtype)
+    out = torch.bmm(q_nope.transpose(0, 1).to(wide), w_uk.to(wide))  # [H, T, L]
+    return out.transpose(0, 1).to(q_nope.dtype)
 
 
 def apply_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """``o[t, h] = W_UV[h] o_lat[t, h]``: ``[T, H, L] x [H, dv, L] -> [T, H, dv]`` in ``o_lat.dtype``."""
-    out = torch.bmm(o_lat.transpose(0, 1), w_uv.to(o_lat.dtype).transpose(1, 2))  # [H, T, dv]
-    return out.transpose(0, 1)
+    """``o[t, h] = W_UV[h] o_lat[t, h]``: ``[T, H, L] x [H, dv, L] -> [T, H, dv]`` in ``o_lat.dtype``, computed in
+    the wider of the two dtypes."""
+    wide = _wider(o_lat.dtype, w_uv.dtype)
+    out = torch.bmm(o_lat.transpose(0, 1).to(wide), w_uv.to(wide).transpose(1, 2))  # [H, T, dv]
+    return out.transpose(0, 1).to(o_lat.dtype)
+
+
+def _wider(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return a if torch.finfo(a).bits >= torch.finfo(b).bits else b
 
 
 def _masked_softmax(logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,240 @@
+// Linear layers whose weights the CPU does not multiply natively, kept in memory as they are loaded
+// (vllm_glm53/backends/cpu/linear.py and fp8.py hold the references: widen or dequantize, then multiply):
+//
+//   linear16    out[m, n] = sum_k x[m, k] * float(w[n, k])                                 w bfloat16 / float16
+//   fp8_linear  out[m, n] = sum_k x[m, k] * float(w[n, k]) * scale[block row of n, k / bk]  w float8_e4m3fn
+//
+// A block-FP8 weight may be several checkpoint tensors fused along the rows (gate | up, q | k | v), each with its
+// own block grid and ragged last block: ``parts`` gives their row counts, and part p's scale rows start at
+// ceil(row offset of p / bn), where vLLM's fused-parameter loaders put them.
+//
+// Rows go in tasks of kRowsPerTask rows inside one row block of one part. Three paths, by the number of tokens M:
+//   direct  (M <= kDirectMaxTokens, decode): one parallel region over the tasks streams every weight byte once,
+//           converting it in registers (gemv.h), so the call is bound by reading the weight;
+//   tile    (up to kPanelMinTokens, decode batches): each row pair is widened / dequantized once per token chunk
+//           into an L1-resident float32 buffer and dotted with every token of the chunk;
+//   panels  (more tokens: prefill): consecutive tasks make a panel of about kPanelBytes of
+//           float32 rows; all threads widen / dequantize the panel into a buffer, then torch's float32 GEMM
+//           multiplies it with the tokens into the panel's output columns. The conversion is paid once per weight
+//           element and call, and the products run at the float32 GEMM's rate: on an AVX2 machine (no native
+//           bf16) torch's bfloat16 GEMM ran at ~15 GFLOP/s on 2 cores where its float32 GEMM ran at ~90 and a
+//           row-pair tile loop (gemv.h's dot products over a dequantized row) at ~40.
+
+#include <vector>
+
+#include "gemv.h"
+
+namespace glm53 {
+namespace {
+
+// Float32 weight rows per panel: large enough that the GEMM runs at its full rate and the token rows are re-read
+// only N * K * 4 / kPanelBytes times, small enough to stay in the last-level cache between the two steps.
+constexpr int64_t kPanelBytes = 4 << 20;
+// Tokens from which the panels beat the tile path (below them the GEMM's packing of each panel is not repaid:
+// M = 16 was 1.5x slower through panels, M = 64 2x faster, K = 4096, AVX2, 2 threads).
+constexpr int64_t kPanelMinTokens = 32;
+
+struct RowTask {
+  int64_t row0, rows, scale_row;
+};
+
+// Every part's row blocks, split into tasks of kRowsPerTask rows (a row block is a multiple of them). Without
+// blocks (16-bit weights) block_n is the weight's row count rounded up to kRowsPerTask.
+std::vector<RowTask> row_tasks(const std::vector<int64_t>& parts, int64_t block_n) {
+  std::vector<RowTask> tasks;
+  int64_t offset = 0;
+  for (const int64_t n : parts) {
+    const int64_t first_scale_row = ceil_div(offset, block_n);
+    for (int64_t r = 0; r < n; r += kRowsPerTask)
+      tasks.push_back({offset + r, std::min(kRowsPerTask, n - r), first_scale_row + r / block_n});
+    offset += n;
+  }
+  return tasks;
+}
+
+// 16-bit weight rows: read as they are (vec.h widens bfloat16 / float16 lanes to float32).
+template <typename W_>
+struct Rows16 {
+  using W = W_;
+  static constexpr bool kScaledTokens = false;  // the direct path dots the float32 tokens as they are
+  const W* w;
+  int64_t ws;
+  const W* row(int64_t r) const { return w + r * ws; }
+  void widen(const RowTask&, int64_t r, int64_t K, float* out) const {
+    const W* src = row(r);
+    for (int64_t i = 0; i < K; i += kLanes) {
+      const int m = static_cast<int>(std::min<int64_t>(kLanes, K - i));
+      store(out + i, load(src + i, m), m);
+    }
+  }
+};
+
+// Block-FP8 rows: direct-path tokens are pre-multiplied by the task's row-block scales (scale_by_blocks), panel
+// rows are dequantized bit for bit as the reference does (dequantize_row).
+struct RowsFp8 {
+  using W = E4m3;
+  static constexpr bool kScaledTokens = true;
+  const E4m3* w;
+  int64_t ws;
+  const float* scale;
+  int64_t KB, block_k;
+  void scale_tokens(const RowTask& task, const float* x, int64_t M, int64_t K, float* buf) const {
+    for (int64_t j = 0; j < M; ++j) scale_by_blocks(x + j * K, scale + task.scale_row * KB, K, block_k, buf + j * K);
+  }
+  const E4m3* row(int64_t r) const { return w + r * ws; }
+  void widen(const RowTask& task, int64_t r, int64_t K, float* out) const {
+    dequantize_row(row(r), scale + task.scale_row * KB, K, block_k, out);
+  }
+};
+
+// out [M, N] (x's dtype) = x [M, K] (float32, contiguous) times the weight ``rows`` describe, tasks covering its
+// N rows in order.
+template <typename Rows>
+void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Rows& rows, at::Tensor& out) {
+  using W = typename Rows::W;
+  constexpr bool scaled_tokens = Rows::kScaledTokens;
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const float* xp = x.data_ptr<float>();
+  if (M >= kPanelMinTokens) {
+    at::Tensor out32 = out.scalar_type() == at::kFloat ? out : at::empty({M, N}, x.options());
+    const int64_t target = std::max<int64_t>(kRowsPerTask, kPanelBytes / (4 * K));
+    at::Tensor panel = at::empty({std::min(N, target + kRowsPerTask), K}, x.options());
+    float* pp = panel.data_ptr<float>();
+    for (size_t t0 = 0; t0 < tasks.size();) {
+      size_t t1 = t0;
+      int64_t n = 0;
+      while (t1 < tasks.size() && n < target) n += tasks[t1++].rows;
+      const int64_t row0 = tasks[t0].row0;
+      at::parallel_for(static_cast<int64_t>(t0), static_cast<int64_t>(t1), 1, [&](int64_t b, int64_t end) {
+        for (; b < end; ++b)
+          for (int64_t r = tasks[b].row0; r < tasks[b].row0 + tasks[b].rows; ++r)
+            rows.widen(tasks[b], r, K, pp + (r - row0) * K);
+      });
+      at::Tensor dst = out32.narrow(1, row0, n);
+      at::mm_out(dst, x, panel.narrow(0, 0, n).t());
+      t0 = t1;
+    }
+    if (!out32.is_same(out)) out.copy_(out32);
+    return;
+  }
+  GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "linear output", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    if (M > kDirectMaxTokens) {
+      const int64_t chunk = token_chunk(K, kTileChunkBytes);
+      at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
+        std::vector<float> tile(2 * K);
+        const float* pair[2] = {tile.data(), tile.data() + K};
+        const float* xs[kTok];
+        float acc[2][kTok];
+        for (; b < end; ++b) {
+          const RowTask& task = tasks[b];
+          const int64_t last = task.row0 + task.rows;
+          for (int64_t t0 = 0; t0 < M; t0 += chunk) {
+            const int64_t t1 = std::min(t0 + chunk, M);
+            for (int64_t r = task.row0; r < last; r += 2) {
+              const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
+              for (int i = 0; i < nr; ++i) rows.widen(task, r + i, K, tile.data() + i * K);
+              for (int64_t j0 = t0; j0 < t1; j0 += kTok) {
+                const int n = static_cast<int>(std::min<int64_t>(kTok, t1 - j0));
+                for (int j = 0; j < n; ++j) xs[j] = xp + (j0 + j) * K;
+                if (nr == 2) dot_tokens<2>(pair, nullptr, xs, n, K, acc);
+                else dot_tokens<1>(pair, nullptr, xs, n, K, acc);
+                for (int j = 0; j < n; ++j)
+                  for (int i = 0; i < nr; ++i) op[(j0 + j) * N + r + i] = static_cast<scalar_t>(acc[i][j]);
+              }
+            }
+          }
+        }
+      });
+      return;
+    }
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
+      std::vector<float> xs_buf(scaled_tokens ? M * K : 0);
+      const float* xs[kDirectMaxTokens];
+      for (int64_t j = 0; j < M; ++j) xs[j] = (scaled_tokens ? xs_buf.data() : xp) + j * K;
+      float acc[2][kDirectMaxTokens];
+      int64_t prepared_for = -1;  // consecutive tasks of a thread mostly share a row block: scale the tokens once
+      for (; b < end; ++b) {
+        const RowTask& task = tasks[b];
+        if constexpr (scaled_tokens) {
+          if (task.scale_row != prepared_for) rows.scale_tokens(task, xp, M, K, xs_buf.data());
+          prepared_for = task.scale_row;
+        }
+        const int64_t last = task.row0 + task.rows;
+        for (int64_t r = task.row0; r < last; r += 2) {
+          const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
+          const W* pair[2] = {rows.row(r), rows.row(r + nr - 1)};
+          const int64_t rn = std::min(r + 2 * kAhead, N - 2);
+          const int64_t ra = std::max<int64_t>(rn, 0);  // rn < 0 (one row): nothing to prefetch
+          const W* next[2] = {rows.row(ra), rows.row(ra + 1)};
+          dot_rows(pair, rn >= 0 ? next : nullptr, nr, xs, static_cast<int>(M), K, acc);
+          for (int64_t j = 0; j < M; ++j)
+            for (int i = 0; i < nr; ++i) op[j * N + r + i] = static_cast<scalar_t>(acc[i][j]);
+        }
+      }
+    });
+  });
+}
+
+void check_linear_inputs(const char* what, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, what, ": x [M, K], weight [N, K]");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), what, ": tensors must be on the CPU");
+  TORCH_CHECK(weight.size(1) == x.size(1), what, ": weight has ", weight.size(1), " columns for ", x.size(1),
+              " inputs");
+}
+
+}  // namespace
+
+// x [M, K] float32 / bf16 / fp16, weight [N, K] bfloat16 / float16 -> out [M, N] in x's dtype (float32 sums).
+at::Tensor linear16(const at::Tensor& x_, const at::Tensor& weight_) {
+  const char* what = "linear16";
+  check_linear_inputs(what, x_, weight_);
+  TORCH_CHECK(weight_.scalar_type() == at::kBFloat16 || weight_.scalar_type() == at::kHalf, what,
+              ": weight must be bfloat16 or float16, got ", weight_.scalar_type());
+  const int64_t M = x_.size(0), K = x_.size(1), N = weight_.size(0);
+  at::Tensor out = at::empty({M, N}, x_.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const at::Tensor x = x_.to(at::kFloat).contiguous();
+  const at::Tensor w = weight_.stride(1) == 1 ? weight_ : weight_.contiguous();
+  const std::vector<RowTask> tasks = row_tasks({N}, ceil_div(N, kRowsPerTask) * kRowsPerTask);
+  if (w.scalar_type() == at::kBFloat16)
+    run_linear(x, tasks, Rows16<c10::BFloat16>{w.data_ptr<c10::BFloat16>(), w.stride(0)}, out);
+  else
+    run_linear(x, tasks, Rows16<c10::Half>{w.data_ptr<c10::Half>(), w.stride(0)}, out);
+  return out;
+}
+
+// x [M, K] float32 / bf16 / fp16, weight [N, K] float8_e4m3fn, scale [S, ceil(K / bk)] float32 (S: the last
+// part's first scale row plus its row blocks), parts: row counts summing to N -> out [M, N] in x's dtype.
+at::Tensor fp8_linear(const at::Tensor& x_, const at::Tensor& weight_, const at::Tensor& scale_,
+                      at::IntArrayRef parts_, int64_t block_n, int64_t block_k) {
+  const char* what = "fp8_linear";
+  check_linear_inputs(what, x_, weight_);
+  TORCH_CHECK(scale_.dim() == 2 && scale_.device().is_cpu(), what, ": scale must be a 2-D CPU tensor");
+  TORCH_CHECK(weight_.scalar_type() == at::kFloat8_e4m3fn, what, ": weight must be float8_e4m3fn");
+  TORCH_CHECK(scale_.scalar_type() == at::kFloat, what, ": scale must be float32");
+  check_fp8_blocks(what, block_n, block_k);
+  const int64_t M = x_.size(0), K = x_.size(1), N = weight_.size(0), KB = ceil_div(K, block_k);
+  std::vector<int64_t> parts(parts_.begin(), parts_.end());
+  int64_t total = 0;
+  for (const int64_t n : parts) {
+    TORCH_CHECK(n > 0, what, ": part sizes must be positive, got ", parts_);
+    total += n;
+  }
+  TORCH_CHECK(total == N, what, ": parts ", parts_, " do not add up to the weight's ", N, " rows");
+  const int64_t scale_rows = ceil_div(N - parts.back(), block_n) + ceil_div(parts.back(), block_n);
+  TORCH_CHECK(scale_.size(0) == scale_rows && scale_.size(1) == KB, what, ": scale must be [", scale_rows, ", ",
+              KB, "] for parts ", parts_, " and blocks [", block_n, ", ", block_k, "], got ", scale_.sizes());
+  at::Tensor out = at::empty({M, N}, x_.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const at::Tensor x = x_.to(at::kFloat).contiguous();
+  const at::Tensor w = weight_.stride(1) == 1 ? weight_ : weight_.contiguous();
+  const at::Tensor scale = scale_.contiguous();
+  const RowsFp8 rows{reinterpret_cast<const E4m3*>(w.data_ptr()), w.stride(0), scale.data_ptr<float>(), KB, block_k};
+  run_linear(x, row_tasks(parts, block_n), rows, out);
+  return out;
+}
+
+}  // namespace glm53

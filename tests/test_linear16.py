@@ -1,0 +1,172 @@
+"""Linear layers with 16-bit weights on CPUs without native 16-bit arithmetic (backends/cpu/linear.py,
+csrc/linear.cpp): the compiled ``linear16`` against a float64 product of the same weights, on its three paths
+(direct: at most 2 x kTok tokens; tile: up to 31; panels: 32 or more, several panels when the weight is larger
+than one), and the hand-over of vLLM's CPU linear layers to it after loading.
+
+Outputs are compared in units of ``ulp(max|reference|)`` as in test_cpu_kernels.py; each tolerance is about 4x the
+largest error measured on the avx2 and the portable path. Every instruction set this CPU runs is checked:
+``test_other_instruction_sets`` runs this module again in a subprocess for each path other than the loaded one.
+The engine side (a bfloat16 checkpoint served through these kernels gives transformers' tokens) is
+test_model_parity.py's bfloat16 test, whose layers take the kernel on CPUs without native bfloat16.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_cpu_kernels import _close, _gen
+from vllm_glm53 import _vllm, testing
+from vllm_glm53.backends import dispatch
+from vllm_glm53.backends.cpu import build, kernels
+from vllm_glm53.backends.cpu import linear as linear_ops
+
+ops = kernels.ops()
+ISA = kernels.isa()
+F32_ULPS = torch.finfo(torch.float32).eps / torch.finfo(torch.float64).eps  # float32 ulps against a float64 want
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _kernels_loaded():
+    if ops is None:
+        if build.compiler() is None:
+            pytest.skip(f"no C++ compiler, so no CPU kernels: {kernels.description()}")
+        pytest.fail(f"CPU kernels not loaded although a compiler exists: {kernels.description()}", pytrace=False)
+
+
+OTHER_ISAS = [isa for isa in build.runnable_isas() if isa != ISA]
+
+
+@pytest.mark.parametrize("isa", OTHER_ISAS or [pytest.param(None, marks=pytest.mark.skip(
+    reason=f"this CPU runs only the {ISA} path, tested in this process"))])
+def test_other_instruction_sets(isa):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k",
+         "not other_instruction_sets and not layers"],
+        env={**os.environ, kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{kernels.ISA_ENV}={isa}:\n{proc.stdout[-8000:]}{proc.stderr[-2000:]}"
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+def _weight(n: int, k: int, dtype: torch.dtype, gen) -> torch.Tensor:
+    """Rows of different magnitudes (1/4 to 4): a row read for its neighbour changes the output far beyond the
+    tolerances."""
+    scale = torch.pow(2.0, torch.randint(-2, 3, (n, 1), generator=gen).float())
+    return (torch.randn(n, k, generator=gen) * scale / k**0.5).to(dtype)
+
+
+def _want(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ weight.double().t()).float()
+
+
+# (N, K): one task; ragged rows and a K off the lane groups; a weight larger than one panel (K = 512: 2,048 rows a
+# panel), its last panel and last task ragged.
+SHAPES = [(16, 64), (37, 100), (4200, 512)]
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("M", [1, 3, 5, 16, 31, 32, 40])  # direct up to 4 (avx2) / 8 (avx512), tile below 32, panels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear16_matches_the_widened_product(dtype, M, N, K):
+    gen = _gen(M * 1000 + N + K)
+    weight = _weight(N, K, dtype, gen)
+    x = torch.randn(M, K + 6, generator=gen)[:, 3 : 3 + K]  # a strided view
+    got = ops.linear16(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    # measured (ulps of max|reference|, avx2 / portable): 2.9 / 2.9
+    _close(got.double(), _want(x, weight).double(), ulps=12 * F32_ULPS)
+
+
+@pytest.mark.parametrize("M", [2, 16, 40])
+def test_linear16_in_bfloat16_activations(M):
+    """bfloat16 tokens and weights: the float32 sums rounded once to bfloat16."""
+    gen = _gen(11 + M)
+    weight = _weight(300, 256, torch.bfloat16, gen)
+    x = torch.randn(M, 256, generator=gen).bfloat16()
+    got = ops.linear16(x, weight)
+    assert got.dtype == torch.bfloat16
+    # measured (bfloat16 ulps of max|reference|, avx2 / portable): 0.5 / 0.5 (one rounding of nearly equal sums)
+    _close(got, _want(x, weight).bfloat16(), ulps=1)
+
+
+def test_linear16_reads_a_weight_with_strided_rows():
+    gen = _gen(5)
+    weight = _weight(64, 200, torch.bfloat16, gen)
+    padded = torch.zeros(64, 208, dtype=torch.bfloat16)
+    padded[:, :200] = weight
+    x = torch.randn(40, 200, generator=gen)
+    for m in (1, 16, 40):
+        _close(ops.linear16(x[:m], padded[:, :200]).double(), _want(x[:m], weight).double(), ulps=12 * F32_ULPS)
+
+
+def test_linear16_refuses_what_it_cannot_compute():
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        ops.linear16(torch.randn(2, 8), torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="8 columns for 6 inputs"):
+        ops.linear16(torch.randn(2, 6), torch.randn(4, 8).bfloat16())
+    assert ops.linear16(torch.randn(0, 8), torch.randn(4, 8).bfloat16()).shape == (0, 4)
+
+
+def test_the_op_takes_the_kernel_and_keeps_the_torch_reference():
+    gen = _gen(9)
+    weight, x = _weight(48, 64, torch.bfloat16, gen), torch.randn(7, 64, generator=gen)
+    got = linear_ops.linear16(x, weight)
+    assert ("linear16", "compiled", ()) in dispatch.decisions()
+    _close(got.double(), linear_ops.linear16_torch(x, weight).double(), ulps=12 * F32_ULPS)
+    assert "needs bfloat16 or float16" in linear_ops._linear16_check(x, weight.float())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# vLLM's CPU linear layers after loading
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _loaded_layers(dtype: torch.dtype):
+    """A replicated linear with a bias and a column-parallel one without, loaded and post-processed as vLLM's
+    loader does (its CPU dispatch sets each layer's ``cpu_linear``)."""
+    gen = _gen(21)
+    model = torch.nn.Module()
+    model.a = _vllm.ReplicatedLinear(96, 40, bias=True, params_dtype=dtype, prefix="a")
+    model.b = _vllm.ColumnParallelLinear(40, 72, bias=False, params_dtype=dtype, prefix="b")
+    for layer in (model.a, model.b):
+        layer.weight.weight_loader(layer.weight, _weight(*layer.weight.shape, dtype, gen))
+    model.a.bias.weight_loader(model.a.bias, torch.randn(40, generator=gen).to(dtype))
+    testing.finish_loading(model)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layers_with_16bit_weights_take_the_kernel_after_loading(dtype, monkeypatch):
+    monkeypatch.setattr(linear_ops, "native_16bit", lambda d: False)
+    x = torch.randn(3, 5, 96, generator=_gen(22)).to(dtype)  # leading dims as a layer may see them
+    with testing.standalone_model_parallel():
+        model = _loaded_layers(dtype)
+        assert linear_ops.take_16bit_gemms(model) == 2
+        y, _ = model.a(x)
+        z, _ = model.b(y)
+    assert z.dtype == dtype and z.shape == (3, 5, 72)
+    w_a, b_a, w_b = model.a.weight.double(), model.a.bias.double(), model.b.weight.double()
+    want_y = (x.double() @ w_a.t() + b_a).to(dtype)
+    _close(y, want_y, ulps=2)
+    _close(z, (want_y.double() @ w_b.t()).to(dtype), ulps=2)
+    assert ("linear16", "compiled", ()) in dispatch.decisions()
+
+
+def test_layers_stay_with_vllm_where_the_cpu_multiplies_16_bits_or_the_weights_are_float32(monkeypatch):
+    with testing.standalone_model_parallel():
+        monkeypatch.setattr(linear_ops, "native_16bit", lambda d: True)
+        model = _loaded_layers(torch.bfloat16)
+        before = model.a.cpu_linear
+        assert linear_ops.take_16bit_gemms(model) == 0 and model.a.cpu_linear is before
+        monkeypatch.setattr(linear_ops, "native_16bit", lambda d: False)
+        assert linear_ops.take_16bit_gemms(_loaded_layers(torch.float32)) == 0
+        # a weight vLLM's dispatch packed for its own GEMM (and deleted) keeps that GEMM
+        model.b.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+        assert linear_ops.take_16bit_gemms(model) == 1

@@ -1,0 +1,87 @@
+"""Linear layers with 16-bit weights on CPUs that do not multiply them natively.
+
+Without AVX512_BF16 / AMX (every AVX2-only CPU, many AVX-512 ones) vLLM's CPU linear layers cannot hand bfloat16
+weights to oneDNN and fall back to torch's ``F.linear``, whose bfloat16 GEMM converts inside its inner loop:
+measured on 2 cores of an AMD EPYC (AVX2), 15 GFLOP/s against 90-95 for the float32 GEMM, and a 16-token decode
+batch at 10-25x the time of reading the weight once. :data:`linear16` keeps the weight in 16 bits and computes
+in float32 (csrc/linear.cpp): a few tokens stream the weight once, converting it in registers; many tokens widen
+it panel by panel into float32 for torch's float32 GEMM.
+
+:func:`take_16bit_gemms` puts it under the plugin's model after loading, layer by layer, where vLLM's dispatch
+left torch's ``F.linear`` with the weight in place (on CPUs with native 16-bit arithmetic, or where vLLM packed
+the weight for its own GEMM, vLLM's choice stays).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from vllm_glm53 import _vllm
+from vllm_glm53.backends.cpu import kernels
+from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
+
+__all__ = ["linear16", "native_16bit", "take_16bit_gemms"]
+
+logger = logging.getLogger("vllm_glm53")
+
+# The CPU features that give torch's GEMMs native arithmetic for each 16-bit dtype (dot products or tiles).
+_NATIVE_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16"}, torch.float16: {"avx512_fp16", "amx_fp16"}}
+
+
+@functools.cache
+def native_16bit(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` (bfloat16 / float16) natively, so torch's and oneDNN's GEMMs in it run
+    at full rate."""
+    from vllm_glm53.backends.cpu.build import cpu_flags
+
+    return bool(_NATIVE_FLAGS.get(dtype, set()) & cpu_flags())
+
+
+linear16 = Op("linear16")
+_tensors = compiled_kernels_check(lambda x, weight: (x, weight))
+
+
+def _linear16_check(x, weight):
+    if weight.dtype not in _NATIVE_FLAGS:
+        return f"needs bfloat16 or float16 weights, got {weight.dtype}"
+    return _tensors(x, weight)
+
+
+@linear16.register("compiled", _linear16_check)
+def _linear16_compiled(x, weight):
+    return kernels.ops().linear16(x, weight)
+
+
+@linear16.register("torch")
+def linear16_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` for x ``[M, K]`` and a 16-bit weight ``[N, K]``: ``[M, N]`` in x's dtype, computed in float32.
+
+    Plain torch (any device): the weight widened to float32, then one matmul."""
+    return F.linear(x.float(), weight.float()).to(x.dtype)
+
+
+def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's ``cpu_linear(x, weight, bias)`` contract over :data:`linear16` (x ``[..., K]``)."""
+    out = linear16(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+def take_16bit_gemms(model: torch.nn.Module) -> int:
+    """Run the CPU GEMMs of ``model`` whose weights are bfloat16 / float16 through :data:`linear16`, where the CPU
+    has no native arithmetic for them and the compiled kernels are loaded; returns how many layers it took (0 when
+    the conditions do not hold: vLLM's dispatch stays)."""
+    if kernels.ops() is None:
+        return 0
+    taken = 0
+    for layer in _vllm.cpu_gemm_layers(model):
+        if layer.weight.dtype in _NATIVE_FLAGS and not native_16bit(layer.weight.dtype):
+            _vllm.set_cpu_gemm(layer, _cpu_linear)
+            taken += 1
+    if taken:
+        logger.info("vllm-glm53: %d linear layers with 16-bit weights run on the compiled linear16 kernel (this CPU "
+                    "has no native 16-bit arithmetic)", taken)
+    return taken
