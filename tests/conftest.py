@@ -18,6 +18,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TESTS = Path(__file__).resolve().parent
 
 
+@pytest.fixture
+def compiled_kernels():
+    """For the compiled-kernel test modules (``pytestmark = pytest.mark.usefixtures("compiled_kernels")``): skip
+    without a compiler, fail where one exists and the kernels are not loaded (kernel_isas.require_kernels)."""
+    from kernel_isas import require_kernels
+
+    require_kernels()
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """Builds tiny checkpoints on demand, each once per session: ``tiny_ckpt(name, **build_kwargs)``."""

@@ -28,12 +28,11 @@ import dataclasses
 import inspect
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from kernel_isas import ISA, ops, other_isas, rerun_on
 from vllm_glm53.backends.cpu import build, kda, kernels, mhc, moe
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import sparse_mla as mla
@@ -41,21 +40,10 @@ from vllm_glm53.backends.pages import page_views, write_tokens
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
 from vllm_glm53.config import cache_row_size
 
-ops = kernels.ops()
-ISA = kernels.isa()
-
 torch.set_num_threads(2)
-
-
-@pytest.fixture(autouse=True)
-def _kernels_loaded():
-    """Every test here needs the compiled kernels (those going through a backend entry point would otherwise
-    compare the torch path with itself)."""
-    if ops is None:
-        if build.compiler() is None:
-            pytest.skip(f"no C++ compiler, so no CPU kernels: {kernels.description()}")
-        pytest.fail(f"CPU kernels not loaded although a compiler exists: {kernels.description()}; "
-                    "run make setup (or python -m vllm_glm53.backends.cpu.build)", pytrace=False)
+# every test here needs the compiled kernels (those going through a backend entry point would otherwise compare
+# the torch path with itself)
+pytestmark = pytest.mark.usefixtures("compiled_kernels")
 
 
 def test_loads_the_best_instruction_set_built_from_current_sources():
@@ -67,24 +55,19 @@ def test_loads_the_best_instruction_set_built_from_current_sources():
     assert ops.build_info().startswith(f"{ISA} torch ")
 
 
-OTHER_ISAS = [isa for isa in build.runnable_isas() if isa != ISA]
-
-
-@pytest.mark.parametrize("isa", OTHER_ISAS or [pytest.param(None, marks=pytest.mark.skip(
-    reason=f"this CPU runs only the {ISA} path, tested in this process"))])
+@pytest.mark.parametrize("isa", other_isas())
 def test_other_instruction_sets(isa):
     """This module on another instruction set this CPU runs, in a subprocess (the transformers comparison,
     which checks the torch loop the kernel is compared with, runs once, here)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
-         "-k", "not other_instruction_sets and not transformers"],
-        env={**os.environ, kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, f"{kernels.ISA_ENV}={isa}:\n{proc.stdout[-8000:]}{proc.stderr[-2000:]}"
-    assert " passed" in proc.stdout and " failed" not in proc.stdout
+    rerun_on(isa, __file__, "other_instruction_sets or transformers", timeout=1200)
 
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
+
+
+# float64 references are compared in float32 ulps: _close's unit is eps(reference dtype), so scale it
+F32_ULPS = torch.finfo(torch.float32).eps / torch.finfo(torch.float64).eps
 
 
 def _close(got, want, ulps):

@@ -12,47 +12,24 @@ test_model_parity.py's bfloat16 test, whose layers take the kernel on CPUs witho
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from test_cpu_kernels import _close, _gen
+from kernel_isas import ops, other_isas, rerun_on
+from test_cpu_kernels import F32_ULPS, _close, _gen
 from vllm_glm53 import _vllm, testing
 from vllm_glm53.backends import dispatch
-from vllm_glm53.backends.cpu import build, kernels
 from vllm_glm53.backends.cpu import linear as linear_ops
 
-ops = kernels.ops()
-ISA = kernels.isa()
-F32_ULPS = torch.finfo(torch.float32).eps / torch.finfo(torch.float64).eps  # float32 ulps against a float64 want
-
 torch.set_num_threads(2)
+pytestmark = pytest.mark.usefixtures("compiled_kernels")
 
 
-@pytest.fixture(autouse=True)
-def _kernels_loaded():
-    if ops is None:
-        if build.compiler() is None:
-            pytest.skip(f"no C++ compiler, so no CPU kernels: {kernels.description()}")
-        pytest.fail(f"CPU kernels not loaded although a compiler exists: {kernels.description()}", pytrace=False)
-
-
-OTHER_ISAS = [isa for isa in build.runnable_isas() if isa != ISA]
-
-
-@pytest.mark.parametrize("isa", OTHER_ISAS or [pytest.param(None, marks=pytest.mark.skip(
-    reason=f"this CPU runs only the {ISA} path, tested in this process"))])
+@pytest.mark.parametrize("isa", other_isas())
 def test_other_instruction_sets(isa):
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k",
-         "not other_instruction_sets and not layers"],
-        env={**os.environ, kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{kernels.ISA_ENV}={isa}:\n{proc.stdout[-8000:]}{proc.stderr[-2000:]}"
-    assert " passed" in proc.stdout and " failed" not in proc.stdout
+    rerun_on(isa, __file__, "other_instruction_sets or layers")
 
 
 def _weight(n: int, k: int, dtype: torch.dtype, gen) -> torch.Tensor:
