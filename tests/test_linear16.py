@@ -136,7 +136,7 @@ def test_layers_with_16bit_weights_take_the_kernel_after_loading(dtype, monkeypa
     assert ("linear16", "compiled", ()) in dispatch.decisions()
 
 
-def test_layers_stay_with_vllm_where_the_cpu_multiplies_16_bits_or_the_weights_are_float32(monkeypatch):
+def test_layers_stay_with_vllm_where_the_kernel_would_not_be_faster(monkeypatch):
     with testing.standalone_model_parallel():
         monkeypatch.setattr(linear_ops, "native_16bit", lambda d: True)
         model = _loaded_layers(torch.bfloat16)
@@ -147,3 +147,6 @@ def test_layers_stay_with_vllm_where_the_cpu_multiplies_16_bits_or_the_weights_a
         # a weight vLLM's dispatch packed for its own GEMM (and deleted) keeps that GEMM
         model.b.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
         assert linear_ops.take_16bit_gemms(model) == 1
+        # the portable build's loops are slower than torch's bfloat16 GEMM at decode sizes
+        monkeypatch.setattr(linear_ops.kernels, "isa", lambda: "portable")
+        assert linear_ops.take_16bit_gemms(_loaded_layers(torch.bfloat16)) == 0

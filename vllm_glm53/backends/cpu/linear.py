@@ -8,8 +8,9 @@ in float32 (csrc/linear.cpp): a few tokens stream the weight once, converting it
 it panel by panel into float32 for torch's float32 GEMM.
 
 :func:`take_16bit_gemms` puts it under the plugin's model after loading, layer by layer, where vLLM's dispatch
-left torch's ``F.linear`` with the weight in place (on CPUs with native 16-bit arithmetic, or where vLLM packed
-the weight for its own GEMM, vLLM's choice stays).
+left torch's ``F.linear`` with the weight in place and the avx2 / avx512 kernels are loaded (on CPUs with native
+16-bit arithmetic, where vLLM packed the weight for its own GEMM, or with the portable build, vLLM's choice
+stays).
 """
 
 from __future__ import annotations
@@ -72,9 +73,13 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def take_16bit_gemms(model: torch.nn.Module) -> int:
     """Run the CPU GEMMs of ``model`` whose weights are bfloat16 / float16 through :data:`linear16`, where the CPU
-    has no native arithmetic for them and the compiled kernels are loaded; returns how many layers it took (0 when
-    the conditions do not hold: vLLM's dispatch stays)."""
-    if kernels.ops() is None:
+    has no native arithmetic for them and vectorized kernels (avx2 / avx512) are loaded; returns how many layers it
+    took (0 when the conditions do not hold: vLLM's dispatch stays).
+
+    Not with the ``portable`` build: its SSE2 loops stream a 16-bit weight 3-5x slower than torch's bfloat16 GEMM
+    at 1-16 tokens (forced on the AVX2 machine, where torch itself runs AVX2 code; a CPU without AVX2 was not
+    measured), so only the layers' float32 GEMMs beyond that would gain."""
+    if kernels.ops() is None or kernels.isa() == "portable":
         return 0
     taken = 0
     for layer in _vllm.cpu_gemm_layers(model):
