@@ -60,13 +60,7 @@ struct Rows16 {
   const W* w;
   int64_t ws;
   const W* row(int64_t r) const { return w + r * ws; }
-  void widen(const RowTask&, int64_t r, int64_t K, float* out) const {
-    const W* src = row(r);
-    for (int64_t i = 0; i < K; i += kLanes) {
-      const int m = static_cast<int>(std::min<int64_t>(kLanes, K - i));
-      store(out + i, load(src + i, m), m);
-    }
-  }
+  void widen(const RowTask&, int64_t r, int64_t K, float* out) const { to_float(row(r), out, K); }
 };
 
 // Block-FP8 rows: direct-path tokens are pre-multiplied by the task's row-block scales (scale_by_blocks), panel
