@@ -13,7 +13,7 @@ Each runs through the engine (``vllm.LLM``, engine core in this process) and the
 the engine decided: cache groups, page sizes, block sizes. The minimum per sequence is the KDA state (conv
 window + float32 recurrent state per layer); per token it is the latent of every MLA layer plus, for each
 ``full`` indexer layer, its pooled key (``index_head_dim`` values per ``index_kpool`` tokens, kept at the
-cache dtype; raw keys of the incomplete tail pool are per-sequence and negligible).
+cache dtype; the raw inputs of incomplete pools, a few pools per page, count as overhead).
 """
 
 from __future__ import annotations

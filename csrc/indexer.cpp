@@ -169,12 +169,14 @@ at::Tensor select_tokens(const std::optional<at::Tensor>& scores, const at::Tens
 }
 
 // The step's tokens that complete a pool store the pool's compressed key. pooled [num_blocks, pools, dI] and raw
-// [num_blocks, pools, kp - 1, 2 dI] are the pages' regions (pools = block_size / kp), this step's raw inputs
-// already written; key_gate [T, 2 dI] the step's raw key and gate logits per token (cache dtype); slot_mapping
-// [T] (-1: padding, not stored); ape [kp, dI]. A stored token whose slot is the last of a pool (slot % kp ==
-// kp - 1) completes it: K_p is computed from the pool's kp - 1 raw inputs in the page and the token's own
-// (float32, as kpool_compress) and stored, in the cache dtype, as that pool's key. Pools are disjoint, so each
-// work item reads inputs no other one writes.
+// [num_blocks, raw_pools, kp - 1, 2 dI] are the pages' regions (pools = block_size / kp; pool p of a page keeps its
+// raw inputs in slot p % raw_pools), holding earlier steps' raw inputs; key_gate [T, 2 dI] the step's raw key and
+// gate logits per token (cache dtype); slot_mapping [T] (-1: padding, not stored); ape [kp, dI]. A stored token
+// whose slot is the last of a pool (slot % kp == kp - 1) completes it: K_p is computed (float32, as
+// kpool_compress) from the pool's kp tokens' inputs and stored, in the cache dtype, as that pool's key. A pool
+// token this step writes is the batch token d rows earlier whose slot is d lower (a page being written belongs to
+// one request, whose tokens are consecutive and ascending in the batch); its inputs are the step's, the others'
+// the page's. Pools are disjoint, so each work item writes what no other one reads.
 void store_pooled_keys(at::Tensor& pooled, const at::Tensor& raw, const at::Tensor& key_gate_,
                        const at::Tensor& slot_mapping_, const at::Tensor& ape_) {
   at::Tensor ape = float_contiguous(ape_), slots = slot_mapping_.to(at::kLong).contiguous();
@@ -182,7 +184,8 @@ void store_pooled_keys(at::Tensor& pooled, const at::Tensor& raw, const at::Tens
               "store_pooled_keys: pooled must be [blocks, pools, dI] and raw [blocks, pools, kp - 1, 2 dI]");
   const int64_t kp = ape.size(0), dI = ape.size(1), n_blocks = pooled.size(0), pools = pooled.size(1);
   TORCH_CHECK(kp <= kMaxPool, "store_pooled_keys: pool size ", kp, " above ", kMaxPool);
-  TORCH_CHECK(pooled.size(2) == dI && raw.size(2) == kp - 1 && raw.size(3) == 2 * dI && raw.size(1) == pools,
+  const int64_t raw_pools = raw.size(1);
+  TORCH_CHECK(pooled.size(2) == dI && raw.size(2) == kp - 1 && raw.size(3) == 2 * dI && raw_pools >= 1,
               "store_pooled_keys: page regions do not match pools of ", kp, " keys of ", dI);
   TORCH_CHECK(raw.scalar_type() == pooled.scalar_type(), "store_pooled_keys: pooled and raw dtypes differ");
   at::Tensor key_gate = key_gate_.to(pooled.scalar_type());
@@ -206,9 +209,12 @@ void store_pooled_keys(at::Tensor& pooled, const at::Tensor& raw, const at::Tens
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = items[i], blk = sp[t] / (pools * kp), pool = sp[t] % (pools * kp) / kp;
         TORCH_CHECK(blk < n_blocks, "store_pooled_keys: slot ", sp[t], " outside the cache");
-        for (int64_t j = 0; j + 1 < kp; ++j)
-          krow[j] = rbase + blk * raw.stride(0) + pool * raw.stride(1) + j * raw.stride(2);
-        krow[kp - 1] = kg + t * key_gate.stride(0);
+        for (int64_t j = 0; j < kp; ++j) {
+          const int64_t d = kp - 1 - j;
+          krow[j] = t >= d && sp[t - d] == sp[t] - d
+                        ? kg + (t - d) * key_gate.stride(0)
+                        : rbase + blk * raw.stride(0) + pool % raw_pools * raw.stride(1) + j * raw.stride(2);
+        }
         for (int64_t j = 0; j < kp; ++j) grow[j] = krow[j] + dI;
         compress_pool(krow, grow, ape.data_ptr<float>(), kp, dI, out.data());
         scalar_t* dst = pbase + blk * pooled.stride(0) + pool * pooled.stride(1);

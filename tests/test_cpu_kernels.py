@@ -305,8 +305,8 @@ def test_store_pooled_keys_matches_torch(dtype):
     a request without tokens, padded slots): both forms store the same pooled keys and touch nothing else."""
     kp, dI, lead, bs = 4, 21, 10, 8
     gen = _gen(24)
-    cache, table = _paged(SEQ_LENS, cache_row_size(lead, dI, kp), bs, dtype, 25,
-                          lambda r, S: torch.randn(S, cache_row_size(lead, dI, kp), generator=gen))
+    row = cache_row_size(lead, dI, kp, block_size=bs)
+    cache, table = _paged(SEQ_LENS, row, bs, dtype, 25, lambda r, S: torch.randn(S, row, generator=gen))
     starts = _batch_meta(Q_LENS)
     slots = []
     for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
@@ -342,8 +342,8 @@ def test_select_batch_identical_to_torch(integer_valued, dtype):
     check the general case."""
     topk, kp, dI, nI, lead, bs = 16, 4, 16, 3, 10, 8
     gen = _gen(22)
-    cache, table = _paged(SEQ_LENS, cache_row_size(lead, dI, kp), bs, dtype, 23,
-                          lambda r, S: torch.zeros(S, cache_row_size(lead, dI, kp)))
+    row = cache_row_size(lead, dI, kp, block_size=bs)
+    cache, table = _paged(SEQ_LENS, row, bs, dtype, 23, lambda r, S: torch.zeros(S, row))
     prompts = _prompt_plan(SEQ_LENS, table, bs)
     if integer_valued:
         key = torch.randint(-2, 3, (prompts.num_tokens, dI), generator=gen).float()
@@ -363,8 +363,8 @@ def test_select_batch_identical_to_torch(integer_valued, dtype):
     starts = _batch_meta(Q_LENS)
     plan = _latent_plan(Q_LENS, SEQ_LENS, table)
     pages = page_views(cache, lead, dI, kp)
-    write_tokens(pages, prompts.slot_mapping, torch.zeros(prompts.num_tokens, lead), key_gate)
     ix.store_pooled_keys.implementation("torch")(pages, prompts, key_gate, ape)
+    write_tokens(pages, prompts.slot_mapping, torch.zeros(prompts.num_tokens, lead), key_gate)
     args = (q, w, pages.pooled, plan, topk, kp)
     want = ix.select_batch.implementation("torch")(*args)
     got = ix.select_batch.implementation("compiled")(*args)

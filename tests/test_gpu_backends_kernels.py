@@ -413,11 +413,12 @@ def paged_plan(lengths, q_lens, table, block_size, unstored=()) -> LatentCachePl
 
 
 def test_indexer_store_pooled_keys():
-    """The pooled keys a step stores: a prompt, a prefill chunk whose first pool started in the cached context,
-    decodes completing a pool or not, a request without tokens, a pool-completing token that is not stored."""
+    """The pooled keys a step stores: a prompt, a prefill chunk whose first pool started in the cached context
+    (its earlier raw inputs read from the page, the chunk's from the step), decodes completing a pool or not, a
+    request without tokens, a pool-completing token that is not stored."""
     L, dI, bs = 32, 16, 8
     lengths, q_lens = [46, 13, 20, 90, 7], [46, 1, 1, 31, 0]
-    cache, table, _ = paged_cache(lengths, cache_row_size(L, dI, KP) + 1, bs, seed=62)
+    cache, table, _ = paged_cache(lengths, cache_row_size(L, dI, KP, block_size=bs) + 1, bs, seed=62)
     plan = paged_plan(lengths, q_lens, table, bs, unstored=[7])
     g = gen(63)
     ape = randn(KP, dI, g=g)
@@ -440,7 +441,7 @@ def test_indexer_select_batch_paged():
     """The batch form over the paged cache: a prefill chunk, and decodes below and far above index_topk."""
     L, dI, topk, bs = 32, 16, 16, 8
     lengths, q_lens = [46, 13, 204, 90], [16, 1, 1, 1]
-    cache, table, _ = paged_cache(lengths, cache_row_size(L, dI, KP), bs, seed=60)
+    cache, table, _ = paged_cache(lengths, cache_row_size(L, dI, KP, block_size=bs), bs, seed=60)
     seqs = [cache_rows(S, L, dI, seed=64 + r) for r, S in enumerate(lengths)]  # each request's [latent|key|gate]
     prompts = paged_plan(lengths, lengths, table, bs)
     pages = page_views(cache, L, dI, KP)
@@ -448,8 +449,8 @@ def test_indexer_select_batch_paged():
     g = gen(61)
     T = sum(q_lens)
     ape, q, w = randn(KP, dI, g=g), randn(T, NI, dI, g=g), randn(T, NI, g=g)
-    write_tokens(pages, prompts.slot_mapping, rows[:, :L], rows[:, L:])  # the prompts were stored
-    ix_cpu.store_pooled_keys(pages, prompts, rows[:, L:], ape)
+    ix_cpu.store_pooled_keys(pages, prompts, rows[:, L:], ape)  # the prompts were stored
+    write_tokens(pages, prompts.slot_mapping, rows[:, :L], rows[:, L:])
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)

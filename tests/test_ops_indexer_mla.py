@@ -8,7 +8,7 @@ import torch
 import hf_ref
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import sparse_mla as mla
-from vllm_glm53.backends.pages import page_views, write_tokens
+from vllm_glm53.backends.pages import page_views, raw_pools, raw_pools_needed, write_tokens
 from vllm_glm53.backends.plans import LatentCachePlan
 from vllm_glm53.config import cache_row_size
 
@@ -123,23 +123,25 @@ def test_select_tokens_dense_fast_path_and_errors(impl):
 # ---------------------------------------------------------------------------------------------------------
 
 KP, DI, LEAD = 4, 6, 3
-ROW = cache_row_size(LEAD, DI, KP) + 1  # the page layout's row and one spare column
+BLOCK = 16  # four pools a page
+ROW = cache_row_size(LEAD, DI, KP, block_size=BLOCK)  # pages keep the raw inputs of two pools, as the smallest real page
 
 
 class PagedSequences:
     """Requests' tokens in shuffled blocks of a paged cache, written step by step as the layer writes them
-    (:func:`write_tokens`, then the store op), and a plain mirror of what each page region must then hold: every
-    stored token's latent, the raw inputs of every stored token that does not complete its pool, and for every
-    stored pool-completing token its pool's key, :func:`kpool_compress_torch` of the raw inputs the pool's
-    positions last had, read position by position (the completing token's from the step)."""
+    (the store op, then :func:`write_tokens`), and a plain mirror of what the pages must then show: every stored
+    token's latent, and for every stored pool-completing token its pool's key, :func:`kpool_compress_torch` of the
+    raw inputs the pool's positions last had, read position by position (the completing token's from the step).
+    Where the pages keep the raw inputs is theirs to decide; that they kept the right ones shows in the keys of
+    pools completed in later steps."""
 
-    def __init__(self, n_requests, max_len, block_size, seed):
+    def __init__(self, n_requests, max_len, block_size, seed, row=ROW):
         self.gen = torch.Generator().manual_seed(seed)
         self.block_size = block_size
         per = -(-max_len // block_size)
         total = n_requests * per + 2  # two blocks no request owns
         self.table = torch.randperm(total, generator=self.gen)[: n_requests * per].view(n_requests, per).int()
-        self.cache = torch.randn(total, block_size, ROW, generator=self.gen)
+        self.cache = torch.randn(total, block_size, row, generator=self.gen)
         self.expected = self.cache.clone()
         self.pages = page_views(self.cache, LEAD, DI, KP)
         self.mirror = page_views(self.expected, LEAD, DI, KP)
@@ -150,9 +152,9 @@ class PagedSequences:
         return int(self.table[r, pos // self.block_size]) * self.block_size + pos % self.block_size
 
     def step(self, spans, unstored=()):
-        """One step: ``spans [(request, first position, n tokens)]`` (the batch holds the requests in index order,
-        those without a span with no tokens); tokens at ``(request, position)`` in ``unstored`` carry slot -1.
-        Writes the latents and raw inputs and returns ``(plan, key_gate)``."""
+        """One step's inputs: ``spans [(request, first position, n tokens)]`` (the batch holds the requests in index
+        order, those without a span with no tokens); tokens at ``(request, position)`` in ``unstored`` carry slot -1.
+        Updates the mirror and returns ``(plan, latent, key_gate)``."""
         cu, seq_lens, ctx, slots = [0], [], [], []
         n_req = self.table.shape[0]
         span_of = {r: (start, n) for r, start, n in spans}
@@ -176,35 +178,83 @@ class PagedSequences:
                     self.raw[r][pos] = key_gate[t]
                     blk, off = divmod(slots[t], bs)
                     self.mirror.latent[blk, off] = latent[t]
-                    if pos % KP < KP - 1:
-                        self.mirror.raw[blk, off // KP, pos % KP] = key_gate[t]
-                    else:
+                    if pos % KP == KP - 1:
                         done.append((r, pos, blk, off // KP))
                 t += 1
         for r, pos, blk, pool in done:
             inputs = torch.stack([self.raw[r][s] for s in range(pos - KP + 1, pos + 1)])
             self.mirror.pooled[blk, pool] = ix.kpool_compress_torch(inputs[:, :DI], inputs[:, DI:], self.ape)[0]
+        return plan, latent, key_gate
+
+    def layer_step(self, store, spans, unstored=()):
+        """One step as the layer takes it (model/mla.py): the store op, then the writes."""
+        plan, latent, key_gate = self.step(spans, unstored)
+        store(self.pages, plan, key_gate, self.ape)
         write_tokens(self.pages, plan.slot_mapping, latent, key_gate)
         return plan, key_gate
+
+    def assert_pages_match(self):
+        torch.testing.assert_close(self.pages.latent, self.mirror.latent, rtol=0, atol=0)
+        torch.testing.assert_close(self.pages.pooled, self.mirror.pooled, rtol=0, atol=1e-6)
+        unowned = sorted(set(range(self.cache.shape[0])) - set(self.table.flatten().tolist()))
+        assert torch.equal(self.cache[unowned], self.expected[unowned])
+
+
+def test_pages_keep_two_pools_of_raw_inputs():
+    """The smallest page the backend accepts keeps the raw inputs of the pools a 3- or 4-draft step may leave
+    incomplete; the row vLLM is told covers that at every larger block size too."""
+    L, dI, kp = 512, 128, 4
+    assert cache_row_size(L, dI, kp) == 512 + 32 + 12  # 544 the latent and pooled keys alone
+    assert [raw_pools(bs, cache_row_size(L, dI, kp), L, dI, kp) for bs in (128, 256, 384)] == [2, 4, 6]
+    assert [raw_pools_needed(n, kp) for n in (0, 1, 3, 4, 5, 8)] == [1, 2, 2, 2, 3, 3]
+    assert page_views(torch.zeros(1, BLOCK, ROW), LEAD, DI, KP).raw.shape == (1, 2, KP - 1, 2 * DI)
+    with pytest.raises(ValueError, match="do not hold"):
+        page_views(torch.zeros(1, 8, LEAD + 2), LEAD, DI, KP)
+    # a chunk filling a page keeps the raw inputs of its last two pools, pool p in slot p % 2 (each token's inputs
+    # here are its position)
+    pages = page_views(torch.zeros(1, BLOCK, ROW), LEAD, DI, KP)
+    inputs = torch.arange(float(BLOCK)).unsqueeze(1).expand(-1, 2 * DI)
+    write_tokens(pages, torch.arange(BLOCK), torch.zeros(BLOCK, LEAD), inputs)
+    assert pages.raw[0, :, :, 0].tolist() == [[8, 9, 10], [12, 13, 14]]
 
 
 def test_store_pooled_keys_where_pools_complete(impl):
     """Pools completing in a prefill chunk, across chunk edges, in decodes and in speculative steps (a draft
     that completed a pool, rejected and rewritten), a pool-completing token that is not stored (slot -1), a
-    request with no tokens in a step: after every step each cache row holds the plain mirror's value."""
+    request with no tokens in a step, and a chunk that finishes a pool begun in the previous one and then writes
+    more pools of the same page than it keeps raw inputs for: after every step each page shows the plain
+    mirror's latents and pooled keys."""
     store = impl(ix.store_pooled_keys)
-    seqs = PagedSequences(n_requests=4, max_len=24, block_size=8, seed=11)
+    seqs = PagedSequences(n_requests=4, max_len=40, block_size=BLOCK, seed=11)
     steps = [
         ([(0, 0, 10), (1, 0, 3)], ()),                   # prefill chunk: pools 0, 1 complete, pool 2 straddles
         ([(0, 10, 4), (1, 3, 1), (3, 0, 4)], {(3, 3)}),  # the chunk completes pool 2; a decode completes pool 0
         ([(0, 14, 4), (1, 4, 1), (3, 3, 1)], ()),        # drafts 14..17 (15 completes pool 3); slot -1 stored now
         ([(0, 15, 4), (1, 5, 1)], ()),                   # 15..17 rejected: rewritten from 15, pool 3 again
-        ([(0, 19, 1), (2, 0, 8), (1, 6, 2)], ()),        # pool 4 from three rows of the previous step
+        ([(0, 19, 1), (2, 0, 6), (1, 6, 2)], ()),        # pool 4 from three rows of the previous step
+        ([(2, 6, 14), (0, 20, 2)], ()),                  # pool 1 from the last chunk; pools 2, 3, 4 of this one
+        ([(0, 22, 2), (2, 20, 3)], ()),                  # pool 5 of request 0: raw inputs of two earlier steps
+        ([(2, 23, 4), (0, 24, 1)], ()),                  # request 2's pool 5 from the previous step's three rows
     ]
     for spans, unstored in steps:
-        plan, key_gate = seqs.step(spans, unstored)
-        store(seqs.pages, plan, key_gate, seqs.ape)
-        torch.testing.assert_close(seqs.cache, seqs.expected, rtol=0, atol=1e-6)
+        seqs.layer_step(store, spans, unstored)
+        seqs.assert_pages_match()
+
+
+def test_speculative_steps_keep_the_inputs_of_rejected_pools(impl):
+    """Verification steps of 1 + 3 and 1 + 4 drafts (the most a page of two raw slots takes) crossing pool edges,
+    rejected in every way, over many steps and pages: each pool's key is the one its accepted tokens give."""
+    store = impl(ix.store_pooled_keys)
+    seqs = PagedSequences(n_requests=2, max_len=64, block_size=BLOCK, seed=14)
+    gen = torch.Generator().manual_seed(15)
+    seqs.layer_step(store, [(0, 0, 3), (1, 0, 6)])
+    accepted = [3, 6]
+    assert raw_pools_needed(KP, KP) == seqs.pages.raw.shape[1]
+    while max(accepted) < 56:
+        n = 4 + int(torch.randint(0, 2, (1,), generator=gen))
+        seqs.layer_step(store, [(r, c, n) for r, c in enumerate(accepted)])
+        seqs.assert_pages_match()
+        accepted = [c + int(torch.randint(1, n + 1, (1,), generator=gen)) for c in accepted]
 
 
 def test_selection_reads_the_pooled_keys(impl):
@@ -212,9 +262,8 @@ def test_selection_reads_the_pooled_keys(impl):
     keys and gates, scored, selected (decodes below and above the dense limit, a prefill chunk, odd lengths)."""
     topk, nI = 8, 3
     lengths, q_lens = [45, 11, 38, 27], [1, 1, 9, 27]
-    seqs = PagedSequences(n_requests=len(lengths), max_len=max(lengths), block_size=8, seed=12)
-    plan, key_gate = seqs.step([(r, 0, n) for r, n in enumerate(lengths)])  # the whole prompts, one step
-    impl(ix.store_pooled_keys)(seqs.pages, plan, key_gate, seqs.ape)
+    seqs = PagedSequences(n_requests=len(lengths), max_len=max(lengths), block_size=BLOCK, seed=12)
+    seqs.layer_step(impl(ix.store_pooled_keys), [(r, 0, n) for r, n in enumerate(lengths)])  # the whole prompts
     gen = torch.Generator().manual_seed(13)
     T = sum(q_lens)
     q, w = torch.randn(T, nI, DI, generator=gen), torch.randn(T, nI, generator=gen)

@@ -18,6 +18,7 @@ from vllm_glm53.backends.cpu import kernels
 from vllm_glm53.backends.kda_state import step_plan
 from vllm_glm53.backends.pages import page_views
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
+from vllm_glm53.config import MIN_CACHE_BLOCK, cache_row_size
 
 torch.set_num_threads(2)
 
@@ -156,7 +157,9 @@ def test_decode_step_reads_nothing_back(layers):
     for r, nb in enumerate(blocks):
         block_table[r, :nb] = table[used : used + nb]
         used += nb
-    caches = [torch.randn(sum(blocks), block_size, arch.cache_row_size, generator=gen) for _ in range(2)]
+    L, dI, kp = arch.kv_lora_rank, arch.index_head_dim, arch.index_kpool
+    row = cache_row_size(L, dI, kp, block_size=block_size)  # small pages, many of them: two raw slots each
+    caches = [torch.randn(sum(blocks), block_size, row, generator=gen) for _ in range(2)]
     last = torch.tensor(seq_lens) - 1
     slot_mapping = block_table[torch.arange(B), last // block_size].long() * block_size + last % block_size
     cu = torch.arange(B + 1)
@@ -183,8 +186,7 @@ def test_decode_step_reads_nothing_back(layers):
         changed = [s for s in range(pool.shape[0]) if not torch.equal(pool[s], old[s])]
         assert changed == sorted(slots.tolist())
     # In the pages (backends/latent_cache.py): each new token's latent, and in the indexer layer its raw inputs
-    # or, for a token completing its pool (position 39), the pool's key.
-    L, dI, kp = arch.kv_lora_rank, arch.index_head_dim, arch.index_kpool
+    # (in its pool's raw slot) or, for a token completing its pool (position 39), the pool's key.
     blk, off = slot_mapping // block_size, slot_mapping % block_size
     for cache, old, has_indexer in zip(caches, before[2], (True, False)):
         new_p, old_p = page_views(cache, L, dI, kp), page_views(old, L, dI, kp)
@@ -195,7 +197,8 @@ def test_decode_step_reads_nothing_back(layers):
         if has_indexer:
             for b, o, pos in zip(blk.tolist(), off.tolist(), last.tolist()):
                 if pos % kp < kp - 1:
-                    at, region, new_entry, old_entry = (b, o // kp, o % kp), touched.raw, new_p.raw, old_p.raw
+                    at = (b, o // kp % new_p.raw.shape[1], o % kp)
+                    region, new_entry, old_entry = touched.raw, new_p.raw, old_p.raw
                 else:
                     at, region, new_entry, old_entry = (b, o // kp), touched.pooled, new_p.pooled, old_p.pooled
                 region[at] = True
@@ -205,15 +208,27 @@ def test_decode_step_reads_nothing_back(layers):
     assert ((selection >= 0).sum(1) < torch.tensor(seq_lens)).tolist() == [False, True, True]
 
 
-def test_a_block_size_that_splits_indexer_pools_is_refused_before_any_cache_exists(layers):
-    """Pages hold whole pools (backends/latent_cache.py): the layer's cache spec, asked at engine start, names a
-    block size that is not a multiple of index_kpool instead of failing at the first request."""
+def test_a_block_size_the_pages_cannot_take_is_refused_before_any_cache_exists(layers):
+    """Pages hold whole pools and the raw indexer inputs of the pools a step may leave incomplete
+    (backends/latent_cache.py): the layer's cache spec, asked at engine start, names a block size that is not a
+    multiple of index_kpool, or too small for the speculative tokens asked for, instead of failing (or selecting
+    from overwritten inputs) at the first request."""
     arch, decoder = layers
     mla = decoder[1].self_attn
+    kp = arch.index_kpool
 
-    def config(block_size):
-        return SimpleNamespace(cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"))
+    def config(block_size, drafts=None):
+        spec = None if drafts is None else SimpleNamespace(num_speculative_tokens=drafts)
+        return SimpleNamespace(cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
+                               speculative_config=spec)
 
-    assert mla.get_kv_cache_spec(config(4 * arch.index_kpool)).block_size == 4 * arch.index_kpool
-    with pytest.raises(ValueError, match=f"--block-size {arch.index_kpool + 1}:.*index_kpool"):
-        mla.get_kv_cache_spec(config(arch.index_kpool + 1))
+    assert mla.get_kv_cache_spec(config(MIN_CACHE_BLOCK)).block_size == MIN_CACHE_BLOCK
+    assert mla.get_kv_cache_spec(config(MIN_CACHE_BLOCK, drafts=kp)).block_size == MIN_CACHE_BLOCK
+    assert mla.get_kv_cache_spec(config(2 * MIN_CACHE_BLOCK, drafts=2 * kp)).block_size == 2 * MIN_CACHE_BLOCK
+    with pytest.raises(ValueError, match=f"--block-size {kp + 1}:.*index_kpool"):
+        mla.get_kv_cache_spec(config(kp + 1))
+    with pytest.raises(ValueError, match=f"--block-size {MIN_CACHE_BLOCK}:.*2 pools, 3 needed with {kp + 1} "
+                                         f"speculative tokens; use a block size of at least {2 * MIN_CACHE_BLOCK}"):
+        mla.get_kv_cache_spec(config(MIN_CACHE_BLOCK, drafts=kp + 1))
+    with pytest.raises(ValueError, match=f"--block-size {kp}:.*0 pools, 1 needed with 0 speculative tokens"):
+        mla.get_kv_cache_spec(config(kp))

@@ -14,8 +14,8 @@ Each entry: why, how, and the upstream change that would retire it.
 2. Arch-config convertor for ``glm5_next`` / ``glm5_next_text`` in ``MODEL_ARCH_CONFIG_CONVERTORS``
    (:func:`register_text_arch`), with the plugin's model only. It answers two questions vLLM asks about the model
    type. (a) The token page: vLLM sizes a hybrid model's token page from ``kv_lora_rank`` (512) while the plugin's
-   cache row holds 736 values (latent, pooled and raw indexer inputs: backends/latent_cache.py), padding every KDA
-   state page about 1.4x; the convertor's ``get_head_size`` reports the real row. (b) Whether vLLM's MLA machinery
+   cache row holds 556 values (latent, pooled keys and a share of the raw indexer inputs: backends/latent_cache.py),
+   padding every KDA state page about 1.09x; the convertor's ``get_head_size`` reports the real row. (b) Whether vLLM's MLA machinery
    applies (``is_deepseek_mla``, read by ``ModelConfig.use_mla``): it does not, the layers carry their own
    latent-cache backend and never reach vLLM's MLA wrapper or selector. Answering "yes" (vLLM's hard-coded list)
    made vLLM's CPU platform apply its policy for its own reference MLA kernel: block 16, no chunked prefill, no
@@ -231,7 +231,7 @@ def register_text_arch(model_types: tuple[str, ...], row_size) -> bool:
 
     vLLM sizes the token block of a hybrid model so that one attention page covers one KDA state page, and takes the
     per-token size from ``ModelConfig.get_head_size()``: ``kv_lora_rank + qk_rope_head_dim`` for MLA models, 512
-    here. This model's cache pages also hold the indexer's pooled keys and raw inputs (736 values a token). And vLLM
+    here. This model's cache pages also hold the indexer's pooled keys and raw inputs (556 values a token). And vLLM
     keys its platform policies on ``ModelConfig.use_mla`` (on CPU: block 16, chunked prefill and prefix caching
     off), which describe vLLM's MLA kernels, not the plugin's latent-cache backend. vLLM's hook for model-specific
     architecture facts is a per-``model_type`` arch-config convertor; ours answers both. Returns whether it was
@@ -339,6 +339,7 @@ _LAZY_NAMES = {
     "direct_register_custom_op": ("vllm.utils.torch_utils",),
     "MambaAttentionBackendEnum": ("vllm.v1.attention.backends.registry",),
     "MLAAttentionSpec": ("vllm.v1.kv_cache_interface",),
+    "MultipleOf": ("vllm.v1.attention.backend",),
 }
 
 

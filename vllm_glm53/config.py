@@ -55,10 +55,20 @@ def _indexer_types(cfg: Any, n: int) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
 
 
-def cache_row_size(latent_dim: int, index_dim: int, kp: int) -> int:
+# The sparse-MLA cache's smallest page, in tokens (LatentCacheBackend accepts block sizes that are multiples of it)
+# and how many pools of raw indexer inputs such a page keeps (backends/latent_cache.py): the per-token share of that
+# region in cache_row_size is sized for them, and a larger page keeps proportionally more.
+MIN_CACHE_BLOCK = 128
+RAW_POOLS_PER_PAGE = 2
+
+
+def cache_row_size(latent_dim: int, index_dim: int, kp: int, block_size: int = MIN_CACHE_BLOCK,
+                   raw_pools: int = RAW_POOLS_PER_PAGE) -> int:
     """Values per token in a sparse-MLA layer's cache page (vllm_glm53/backends/latent_cache.py): the latent, a
-    kp-th of a pooled indexer key, and the raw key and pooling-gate logits of kp - 1 tokens in kp."""
-    return latent_dim + -(-index_dim * (2 * kp - 1) // kp)
+    kp-th of a pooled indexer key, and a ``block_size``-th of the page's region for the raw key and pooling-gate
+    logits of ``raw_pools`` incomplete pools (kp - 1 tokens each)."""
+    raw = raw_pools * (kp - 1) * 2 * index_dim
+    return latent_dim + -(-index_dim // kp) + -(-raw // block_size)
 
 
 @dataclass(frozen=True)

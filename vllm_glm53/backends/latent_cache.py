@@ -10,17 +10,21 @@ tokens with pools of ``kp``:
   * ``latent [bs, L]``: the normalised latent ``c_kv`` of each token, what attention reads;
   * ``pooled [bs / kp, dI]``: the compressed indexer key ``K_p`` of each of the block's pools, contiguous, so the
     indexer reads a block's keys as one stream (stored when the pool's last token is written);
-  * ``raw [bs / kp, kp - 1, 2 dI]``: the raw indexer key and pooling-gate logits of the first kp - 1 tokens of
-    each pool, from which the pool is compressed when its last token arrives (possibly in a later step or
-    prefill chunk). The last token's own inputs are never stored: its pool is compressed in the step that writes
-    it, from the step's values.
+  * ``raw [raw_pools, kp - 1, 2 dI]``: the raw indexer key and pooling-gate logits of the first kp - 1 tokens of
+    the pools still being written, pool p in slot ``p % raw_pools``, from which a pool is compressed when its last
+    token arrives (possibly in a later step or prefill chunk). Only a sequence's last pool, and the pools its
+    speculative drafts reach, are incomplete between steps, so a page keeps a few pools' inputs rather than every
+    token's; the last token's own are never needed later: its pool is compressed in the step that writes it.
 
-So a token costs ``L + dI / kp + 2 dI (kp - 1) / kp`` values (736 for L 512, dI 128, kp 4, against 768 for a
-row holding every token's raw inputs). Block sizes are multiples of kp, so a pool never straddles two pages
-and prefix caching, which shares whole blocks, shares only complete, compressed pools. Why this needs no
-per-sequence state with speculative drafts and chunked prefill: :mod:`vllm_glm53.backends.cpu.indexer`. Keeping
-the indexer data in the same pages (rather than in a third cache kind with its own page size) keeps vLLM's
-hybrid page-size unification to two kinds, state pages and token pages.
+So a token costs ``L + dI / kp`` values plus its share of the raw region, which ``cache_row_size`` sizes for
+``RAW_POOLS_PER_PAGE`` pools in the smallest page the backend accepts (``MIN_CACHE_BLOCK`` tokens; larger pages keep
+more pools): 556 values for L 512, dI 128, kp 4, where latent and pooled keys alone are 544 (and a row holding the
+raw inputs of every token 768). Block sizes are multiples of kp, so a pool never straddles two pages and prefix
+caching, which shares whole blocks, shares only complete, compressed pools. Why this needs no per-sequence state
+with speculative drafts and chunked prefill: :mod:`vllm_glm53.backends.cpu.indexer`; the layer refuses a block size
+whose pages keep fewer pools than its speculative steps may leave incomplete. Keeping the indexer data in the same
+pages (rather than in a third cache kind with its own page size) keeps vLLM's hybrid page-size unification to two
+kinds, state pages and token pages.
 
 The layer gets this backend from ``get_attn_backend()`` directly, never through the platform selector
 (vLLM's CPU selector refuses sparse MLA outright).
@@ -36,8 +40,10 @@ from vllm_glm53._vllm import (
     AttentionImplBase,
     AttentionMetadataBuilder,
     MLAAttentionSpec,
+    MultipleOf,
 )
 from vllm_glm53.backends.plans import LatentCachePlan
+from vllm_glm53.config import MIN_CACHE_BLOCK
 
 
 class LatentCacheMetadataBuilder(AttentionMetadataBuilder):
@@ -101,6 +107,12 @@ class LatentCacheBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
         return (num_blocks, block_size, head_size)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        # A smaller page would keep the raw indexer inputs of fewer pools than cache_row_size is sized for; vLLM
+        # rounds a hybrid model's block (sized to cover a KDA state page) to a multiple of this.
+        return [MultipleOf(MIN_CACHE_BLOCK)]
 
     @classmethod
     def is_mla(cls) -> bool:

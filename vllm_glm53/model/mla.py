@@ -16,6 +16,8 @@ only allows that layer to sit immediately before; reusing the latest full select
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -30,9 +32,9 @@ from vllm_glm53._vllm import (
 from vllm_glm53.backends import indexer_ops, mla_ops
 from vllm_glm53.backends.cpu.indexer import index_width
 from vllm_glm53.backends.latent_cache import LatentCacheBackend
-from vllm_glm53.backends.pages import fresh_pages, page_views, write_tokens
+from vllm_glm53.backends.pages import fresh_pages, page_views, raw_pools, raw_pools_needed, write_tokens
 from vllm_glm53.backends.plans import LatentCachePlan
-from vllm_glm53.config import TextArch
+from vllm_glm53.config import MIN_CACHE_BLOCK, TextArch
 from vllm_glm53.model.layer_ops import forward_layer, register_layer_op
 from vllm_glm53.model.norm import RMSNorm
 from vllm_glm53.quant.plan import layer_quant
@@ -119,11 +121,24 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
         if cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--kv-cache-dtype {cache_dtype} is not supported by the GLM-5.3 latent cache")
         dtype = self.model_dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
-        block_size, kp = vllm_config.cache_config.block_size, self.arch.index_kpool
+        a, block_size = self.arch, vllm_config.cache_config.block_size
+        kp = a.index_kpool
+        # Refused here, before any cache exists: a page holds whole indexer pools, and enough raw slots for the
+        # pools a speculative step may leave incomplete (backends/latent_cache.py).
         if block_size % kp:
-            # a page holds whole indexer pools (backends/latent_cache.py); refused here, before any cache exists
             raise ValueError(f"--block-size {block_size}: GLM-5.3's sparse-MLA cache needs a block size that is a "
                              f"multiple of index_kpool ({kp})")
+        spec = vllm_config.speculative_config
+        drafts = (spec.num_speculative_tokens or 0) if spec is not None else 0
+        need = raw_pools_needed(drafts, kp)
+        have = raw_pools(block_size, a.cache_row_size, a.kv_lora_rank, a.index_head_dim, kp)
+        if have < need:
+            smallest = MIN_CACHE_BLOCK * next(
+                k for k in itertools.count(1)
+                if raw_pools(MIN_CACHE_BLOCK * k, a.cache_row_size, a.kv_lora_rank, a.index_head_dim, kp) >= need)
+            raise ValueError(f"--block-size {block_size}: GLM-5.3's sparse-MLA cache pages keep the raw indexer "
+                             f"inputs of {have} pools, {need} needed with {drafts} speculative tokens; use a block "
+                             f"size of at least {smallest}")
         return _vllm.MLAAttentionSpec(
             block_size=block_size,
             num_kv_heads=1,
@@ -182,9 +197,10 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
             plan = meta
             pages = page_views(self.kv_cache, L, dI, kp)
         n = plan.num_tokens
+        if self.indexer is not None:  # before the writes, which may reuse the raw slots of the pools it completes
+            indexer_ops.store_pooled_keys(pages, plan, key_gate[:n], self.indexer.index_kpool_compress_ape)
         write_tokens(pages, plan.slot_mapping, latent[:n], None if key_gate is None else key_gate[:n])
         if self.indexer is not None:
-            indexer_ops.store_pooled_keys(pages, plan, key_gate[:n], self.indexer.index_kpool_compress_ape)
             selection = indexer_ops.select_batch(q_idx[:n], w_idx[:n], pages.pooled, plan, a.index_topk, kp)
         else:
             selection = shared_selection[:n]  # a previous pipeline stage's selection may carry pad rows

@@ -15,17 +15,22 @@ paged cache and the step plan (:class:`~vllm_glm53.backends.plans.LatentCachePla
 per-sequence steps.
 
 Pooled keys in the cache (page layout: :mod:`vllm_glm53.backends.latent_cache`). Each page holds the pooled key
-``K_p`` of each of its pools, contiguous, and the raw indexer key and gate logits of the first kp - 1 tokens of
-each pool. When a step writes a pool's last token, :data:`store_pooled_keys` compresses the pool from the raw
-inputs of its earlier tokens and the step's values for the last one and stores ``K_p`` (in the cache dtype);
-selection then reads one pooled key per complete pool, a block's keys as one stream. No state outside the pages
+``K_p`` of each of its pools, contiguous, and, in a few raw slots (pool p in slot ``p % raw_pools``), the raw
+indexer key and gate logits of the first kp - 1 tokens of the pools still being written. When a step writes a
+pool's last token, :data:`store_pooled_keys` compresses the pool from its tokens' raw inputs (those written by
+this step from the step's values, earlier ones from the page) and stores ``K_p`` (in the cache dtype); then
+:func:`~vllm_glm53.backends.pages.write_tokens` stores the step's raw inputs of the last pools it writes in each
+page. Selection reads one pooled key per complete pool, a block's keys as one stream. No state outside the pages
 is needed, and every way a page can be read stays correct:
 
-  * a pool's earlier tokens keep their raw inputs, so a pool that completes in a later step or prefill chunk than
-    it started in is compressed from inputs already in the cache;
+  * a pool that completes in a later step or prefill chunk than it started in is compressed from the inputs of
+    its earlier tokens, kept in the page: the step that started it wrote them into the pool's raw slot, and a
+    slot is reused only by a step that writes ``raw_pools`` pools further on in the same page, which completes
+    (and compresses, before writing) every earlier pool of that page unless some of its positions are
+    speculative drafts; the layer refuses more drafts than the slots cover (``raw_pools_needed``);
   * a speculative draft that completes a pool and is rejected leaves a ``K_p`` that no accepted token reads
     (selection only reads pools complete at the query's position, and the real completion stores the pool
-    again); it writes no raw input of an accepted token (raw slots belong to their own positions);
+    again), and raw inputs that the step rewriting those positions replaces;
   * prefix caching shares whole blocks, and the block size is a multiple of kp, so every pool of a shared block
     is complete and compressed.
 """
@@ -216,21 +221,26 @@ def store_pooled_keys_torch(pages: LatentPages, plan: LatentCachePlan, key_gate:
                             ape: torch.Tensor) -> None:
     """Store the compressed key of every pool this step completes.
 
-    pages: the layer's cache regions (:func:`~vllm_glm53.backends.latent_cache.page_views`), this step's raw
-    inputs already written; key_gate ``[T, 2 dI]``: the step's raw key and gate logits per token, in batch order;
-    the plan's ``slot_mapping`` gives each token's cache slot (-1: not stored). A stored token whose slot is the
-    last of a pool (``slot % kp == kp - 1``: block sizes are multiples of kp, so that is its position's place)
-    completes it: :func:`kpool_compress` of the pool's kp - 1 raw inputs in the page and the token's own is
-    written to the page's pooled key of that pool, in the cache dtype. ape ``[kp, dI]``.
+    pages: the layer's cache regions (:func:`~vllm_glm53.backends.pages.page_views`), holding the raw inputs
+    of earlier steps (this step's are written after this call); key_gate ``[T, 2 dI]``: the step's raw key and
+    gate logits per token, in batch order; the plan's ``slot_mapping`` gives each token's cache slot (-1: not
+    stored). A stored token whose slot is the last of a pool (``slot % kp == kp - 1``: block sizes are multiples
+    of kp, so that is its position's place) completes it: :func:`kpool_compress` of the pool's kp tokens' raw
+    inputs, in the cache dtype (the step's own for positions this step writes, the page's raw slot ``pool %
+    raw_pools`` for earlier ones), is written to the page's pooled key of that pool. ape ``[kp, dI]``.
     """
     kp, dI = ape.shape
-    pools = pages.pooled.shape[1]
+    pools, n_slots = pages.pooled.shape[1], pages.raw.shape[1]
     slot = plan.slot_mapping[: plan.num_tokens].to(torch.int64)
-    completes = (slot >= 0) & (slot % kp == kp - 1)
-    slot = slot[completes]
-    block, pool = slot // (pools * kp), slot % (pools * kp) // kp
-    last = key_gate[: plan.num_tokens][completes].to(pages.raw.dtype).unsqueeze(1)
-    raw = torch.cat([pages.raw[block, pool], last], dim=1).reshape(-1, 2 * dI)  # [completed * kp, 2 dI]
+    req, pos = plan.token_positions()
+    completes = torch.nonzero((slot >= 0) & (slot % kp == kp - 1)).squeeze(1)
+    block, pool = slot[completes] // (pools * kp), slot[completes] % (pools * kp) // kp
+    step_values = key_gate[: plan.num_tokens].to(pages.raw.dtype)
+    back = torch.arange(kp - 1, -1, -1, device=slot.device)  # distance of each pool token from the last one
+    in_step = (pos[completes].unsqueeze(1) - back) >= plan.context_lens[req[completes]].unsqueeze(1)  # [n, kp]
+    from_step = step_values[(completes.unsqueeze(1) - back).clamp(min=0)]  # [n, kp, 2 dI]
+    from_page = torch.cat([pages.raw[block, pool % n_slots], from_step[:, -1:]], dim=1)
+    raw = torch.where(in_step.unsqueeze(-1), from_step, from_page).reshape(-1, 2 * dI)  # [completed * kp, 2 dI]
     pages.pooled[block, pool] = kpool_compress_torch(raw[:, :dI], raw[:, dI:], ape).to(pages.pooled.dtype)
 
 

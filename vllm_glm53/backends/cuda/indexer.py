@@ -7,9 +7,9 @@ back ascending and padded with -1.
 Four kernels:
   * ``kpool_compress``: per (pool block, channel block), the softmax over the kp slots of each pool and channel
     and the weighted sum of the keys (key and gate rows may be strided views).
-  * ``store_pooled_keys``: the same compression per token of the step that completes a pool, reading the pool's
-    earlier raw inputs from its page and the token's own from the step, and writing ``K_p`` to the page's pooled
-    keys (page layout: :mod:`vllm_glm53.backends.latent_cache`; the CPU module's docstring says why this needs no
+  * ``store_pooled_keys``: the same compression per token of the step that completes a pool, reading the raw
+    inputs of the pool's tokens from the step where it writes them and from the page's raw slot otherwise, and
+    writing ``K_p`` to the page's pooled keys (page layout: :mod:`vllm_glm53.backends.latent_cache`; the CPU module's docstring says why this needs no
     state outside the pages).
   * ``index_scores``: per (query block, pool block), one GEMM per indexer head, ReLU, and the head-weighted sum
     accumulated in registers: the ``[Tq, nI, P]`` logits never reach memory.
@@ -119,10 +119,22 @@ def kpool_compress(k: torch.Tensor, gate_logits: torch.Tensor, ape: torch.Tensor
 
 
 @triton.jit
+def _pool_token_inputs(raw_ptr, key_gate_ptr, slot_ptr, t, slot, block, raw_slot, j, stride_raw_block,
+                       stride_raw_pool, stride_raw_tok, stride_kg, KP: tl.constexpr):
+    """Where token j of the pool that batch token ``t`` completes has its raw inputs: the step's row when this step
+    writes it (the batch token KP - 1 - j rows earlier, with a slot that much lower), else the page's raw slot."""
+    d = KP - 1 - j
+    earlier = tl.maximum(t - d, 0)
+    in_step = (t >= d) & (tl.load(slot_ptr + earlier).to(tl.int64) == slot - d)
+    page = raw_ptr + block * stride_raw_block + raw_slot * stride_raw_pool + j * stride_raw_tok
+    return tl.where(in_step, key_gate_ptr + earlier * stride_kg, page)
+
+
+@triton.jit
 def _store_pooled_keys_kernel(
     pooled_ptr, raw_ptr, key_gate_ptr, slot_ptr, ape_ptr,
     stride_pooled_block, stride_pooled_pool, stride_raw_block, stride_raw_pool, stride_raw_tok, stride_kg,
-    pools,
+    pools, raw_pools,
     D: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -130,23 +142,20 @@ def _store_pooled_keys_kernel(
     if (slot >= 0) & (slot % KP == KP - 1):
         block = slot // (pools * KP)
         pool = slot % (pools * KP) // KP
+        raw_slot = pool % raw_pools
         chans = tl.arange(0, BD)
         ok = chans < D
         m = tl.full((BD,), float("-inf"), tl.float32)
         for j in tl.static_range(KP):
-            if j < KP - 1:
-                src = raw_ptr + block * stride_raw_block + pool * stride_raw_pool + j * stride_raw_tok
-            else:
-                src = key_gate_ptr + t * stride_kg
+            src = _pool_token_inputs(raw_ptr, key_gate_ptr, slot_ptr, t, slot, block, raw_slot, j, stride_raw_block,
+                                     stride_raw_pool, stride_raw_tok, stride_kg, KP)
             logit = tl.load(src + D + chans, mask=ok, other=0.0).to(tl.float32)
             m = tl.maximum(m, logit + tl.load(ape_ptr + j * D + chans, mask=ok, other=0.0))
         denom = tl.zeros((BD,), tl.float32)
         acc = tl.zeros((BD,), tl.float32)
         for j in tl.static_range(KP):
-            if j < KP - 1:
-                src = raw_ptr + block * stride_raw_block + pool * stride_raw_pool + j * stride_raw_tok
-            else:
-                src = key_gate_ptr + t * stride_kg
+            src = _pool_token_inputs(raw_ptr, key_gate_ptr, slot_ptr, t, slot, block, raw_slot, j, stride_raw_block,
+                                     stride_raw_pool, stride_raw_tok, stride_kg, KP)
             logit = tl.load(src + D + chans, mask=ok, other=0.0).to(tl.float32)
             e = tl.exp(logit + tl.load(ape_ptr + j * D + chans, mask=ok, other=0.0) - m)
             denom += e
@@ -163,8 +172,9 @@ def store_pooled_keys_triton(pages: LatentPages, plan: LatentCachePlan, key_gate
                              ape: torch.Tensor) -> None:
     """Store the compressed key of every pool this step completes in the pages' pooled keys (the oracle's
     contract): one program per token of the step, those that complete no pool or are not stored (slot -1) exit
-    at once. pages: the cache regions with this step's raw inputs already written; key_gate ``[T, 2 dI]`` the
-    step's raw inputs (the completing token's are read from here); ape ``[kp, dI]``."""
+    at once. pages: the cache regions holding earlier steps' raw inputs (this step's are written after this
+    call); key_gate ``[T, 2 dI]`` the step's raw inputs (those of the pool tokens this step writes are read from
+    here); ape ``[kp, dI]``."""
     kp, D = ape.shape
     if plan.num_tokens == 0:
         return
@@ -175,7 +185,7 @@ def store_pooled_keys_triton(pages: LatentPages, plan: LatentCachePlan, key_gate
     _store_pooled_keys_kernel[(plan.num_tokens,)](
         pooled, raw, key_gate, plan.slot_mapping[: plan.num_tokens], ape.to(torch.float32).contiguous(),
         pooled.stride(0), pooled.stride(1), raw.stride(0), raw.stride(1), raw.stride(2), key_gate.stride(0),
-        pooled.shape[1],
+        pooled.shape[1], raw.shape[1],
         D=D, KP=kp, BD=triton.next_power_of_2(D),
     )
 
