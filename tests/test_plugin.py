@@ -73,8 +73,8 @@ def test_vllm_cli_runs_after_setup():
 def test_vllm_sizes_hybrid_pages_by_the_plugins_cache_row(tiny_ckpt):
     """vLLM aligns the token block of a hybrid model to the KDA state page using ``ModelConfig.get_head_size()``;
     for this model that must be the whole per-token share of a cache page (latent, a kp-th of a pooled indexer key,
-    raw key and gate of kp - 1 tokens in kp: backends/latent_cache.py), not ``kv_lora_rank`` alone, or every state
-    page is padded to a block too large."""
+    a 128th of the raw key and gate of kp - 1 tokens for two pools: backends/latent_cache.py), not ``kv_lora_rank``
+    alone, or every state page is padded to a block too large."""
     from vllm.config import ModelConfig
 
     vllm_glm53.register()
@@ -83,7 +83,7 @@ def test_vllm_sizes_hybrid_pages_by_the_plugins_cache_row(tiny_ckpt):
     config = ModelConfig(model=str(ckpt))
     assert not config.use_mla  # vLLM's MLA policies (on CPU: block 16, no chunked prefill) are not for our backend
     dI, kp = text["index_head_dim"], text["index_kpool"]
-    row = text["kv_lora_rank"] + -(-(dI + 2 * dI * (kp - 1)) // kp)
+    row = text["kv_lora_rank"] + -(-dI // kp) + -(-(2 * (kp - 1) * 2 * dI) // 128)
     assert config.get_head_size() == row
     # vLLM builds the page it aligns from a generic K+V spec; the latent backend turns it into one row per token
     import torch
