@@ -53,6 +53,45 @@ inline float pool_score(const T* K, const float* q, const float* w, int64_t nI, 
   return s;
 }
 
+// out[i] = pool_score(keys[i], ...) for n pools: two pools by two heads per pass over the channels, so each key and
+// query load feeds two products (pool_score loads both operands of every product; on two cores the scoring, not
+// the key reads, was most of a long-context decode call).
+template <typename T>
+void score_pools(const T* const* keys, int64_t n, const float* q, const float* w, int64_t nI, int64_t dI,
+                 float scale, float* out) {
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    const T* k0 = keys[i];
+    const T* k1 = keys[i + 1];
+    float s0 = 0.0f, s1 = 0.0f;
+    int64_t h = 0;
+    for (; h + 2 <= nI; h += 2) {
+      const float* qa = q + h * dI;
+      const float* qb = qa + dI;
+      F16 a0 = zero(), a1 = zero(), b0 = zero(), b1 = zero();
+      for (int64_t c = 0; c < dI; c += kLanes) {
+        const int m = static_cast<int>(std::min<int64_t>(kLanes, dI - c));
+        const F16 x0 = load(k0 + c, m), x1 = load(k1 + c, m), ya = load(qa + c, m), yb = load(qb + c, m);
+        a0 = fma(ya, x0, a0);
+        a1 = fma(ya, x1, a1);
+        b0 = fma(yb, x0, b0);
+        b1 = fma(yb, x1, b1);
+      }
+      s0 += w[h] * std::max(scale * reduce_add(a0), 0.0f);
+      s1 += w[h] * std::max(scale * reduce_add(a1), 0.0f);
+      s0 += w[h + 1] * std::max(scale * reduce_add(b0), 0.0f);
+      s1 += w[h + 1] * std::max(scale * reduce_add(b1), 0.0f);
+    }
+    for (; h < nI; ++h) {
+      s0 += w[h] * std::max(scale * dot(q + h * dI, k0, dI), 0.0f);
+      s1 += w[h] * std::max(scale * dot(q + h * dI, k1, dI), 0.0f);
+    }
+    out[i] = s0;
+    out[i + 1] = s1;
+  }
+  for (; i < n; ++i) out[i] = pool_score(keys[i], q, w, nI, dI, scale);
+}
+
 inline int64_t index_width(int64_t topk, int64_t kp, bool tail) { return topk + (tail ? kp - 1 : 0); }
 
 inline bool all_candidates_fit(int64_t max_position, int64_t topk, int64_t kp) {
@@ -294,8 +333,7 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
           const int64_t n_cand = (S - q_len + t + 1) / kp;  // pools complete at this query's position
           const float* qt = q.data_ptr<float>() + (q0 + t) * nI * dI;
           const float* wt = w.data_ptr<float>() + (q0 + t) * nI;
-          for (int64_t p = p0; p < std::min(p1, n_cand); ++p)
-            sc[t * cols + p] = pool_score(keys[p - p0], qt, wt, nI, dI, scale);
+          if (n_cand > p0) score_pools(keys, std::min(p1, n_cand) - p0, qt, wt, nI, dI, scale, sc + t * cols + p0);
         }
       }
     });
