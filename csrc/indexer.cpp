@@ -54,8 +54,7 @@ inline float pool_score(const T* K, const float* q, const float* w, int64_t nI, 
 }
 
 // out[i] = pool_score(keys[i], ...) for n pools: two pools by two heads per pass over the channels, so each key and
-// query load feeds two products (pool_score loads both operands of every product; on two cores the scoring, not
-// the key reads, was most of a long-context decode call).
+// query load feeds two products (pool_score loads both operands of every product).
 template <typename T>
 void score_pools(const T* const* keys, int64_t n, const float* q, const float* w, int64_t nI, int64_t dI,
                  float scale, float* out) {
