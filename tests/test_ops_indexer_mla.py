@@ -124,7 +124,7 @@ def test_select_tokens_dense_fast_path_and_errors(impl):
 
 KP, DI, LEAD = 4, 6, 3
 BLOCK = 16  # four pools a page
-ROW = cache_row_size(LEAD, DI, KP, block_size=BLOCK)  # pages keep the raw inputs of two pools, as the smallest real page
+ROW = cache_row_size(LEAD, DI, KP, block_size=BLOCK)  # raw inputs of two pools a page, as the smallest real page
 
 
 class PagedSequences:

@@ -15,11 +15,11 @@ Each entry: why, how, and the upstream change that would retire it.
    (:func:`register_text_arch`), with the plugin's model only. It answers two questions vLLM asks about the model
    type. (a) The token page: vLLM sizes a hybrid model's token page from ``kv_lora_rank`` (512) while the plugin's
    cache row holds 556 values (latent, pooled keys and a share of the raw indexer inputs: backends/latent_cache.py),
-   padding every KDA state page about 1.09x; the convertor's ``get_head_size`` reports the real row. (b) Whether vLLM's MLA machinery
-   applies (``is_deepseek_mla``, read by ``ModelConfig.use_mla``): it does not, the layers carry their own
-   latent-cache backend and never reach vLLM's MLA wrapper or selector. Answering "yes" (vLLM's hard-coded list)
-   made vLLM's CPU platform apply its policy for its own reference MLA kernel: block 16, no chunked prefill, no
-   prefix caching, one-step prefill (``platforms/cpu.py``), and then reject its own hybrid config
+   padding every KDA state page about 1.09x; the convertor's ``get_head_size`` reports the real row. (b) Whether
+   vLLM's MLA machinery applies (``is_deepseek_mla``, read by ``ModelConfig.use_mla``): it does not, the layers
+   carry their own latent-cache backend and never reach vLLM's MLA wrapper or selector. Answering "yes" (vLLM's
+   hard-coded list) made vLLM's CPU platform apply its policy for its own reference MLA kernel: block 16, no
+   chunked prefill, no prefix caching, one-step prefill (``platforms/cpu.py``), and then reject its own hybrid config
    ("--mamba-block-size can only be set with --enable-prefix-caching"). Answering "no" gives the CPU defaults any
    hybrid model gets (block 128, chunked prefill, prefix caching in align mode); the latent backend's
    ``customize_spec`` keeps the page arithmetic on the real MLA-style row. Retire: (a) a model-class hook for the

@@ -16,6 +16,7 @@ only allows that layer to sit immediately before; reusing the latest full select
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -130,12 +131,11 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
                              f"multiple of index_kpool ({kp})")
         spec = vllm_config.speculative_config
         drafts = (spec.num_speculative_tokens or 0) if spec is not None else 0
-        need = raw_pools_needed(drafts, kp)
-        have = raw_pools(block_size, a.cache_row_size, a.kv_lora_rank, a.index_head_dim, kp)
+        kept = functools.partial(raw_pools, row_size=a.cache_row_size, latent_dim=a.kv_lora_rank,
+                                 index_dim=a.index_head_dim, kp=kp)  # pools a page of that many tokens keeps
+        need, have = raw_pools_needed(drafts, kp), kept(block_size)
         if have < need:
-            smallest = MIN_CACHE_BLOCK * next(
-                k for k in itertools.count(1)
-                if raw_pools(MIN_CACHE_BLOCK * k, a.cache_row_size, a.kv_lora_rank, a.index_head_dim, kp) >= need)
+            smallest = next(b for b in itertools.count(MIN_CACHE_BLOCK, MIN_CACHE_BLOCK) if kept(b) >= need)
             raise ValueError(f"--block-size {block_size}: GLM-5.3's sparse-MLA cache pages keep the raw indexer "
                              f"inputs of {have} pools, {need} needed with {drafts} speculative tokens; use a block "
                              f"size of at least {smallest}")

@@ -9,8 +9,8 @@ Four kernels:
     and the weighted sum of the keys (key and gate rows may be strided views).
   * ``store_pooled_keys``: the same compression per token of the step that completes a pool, reading the raw
     inputs of the pool's tokens from the step where it writes them and from the page's raw slot otherwise, and
-    writing ``K_p`` to the page's pooled keys (page layout: :mod:`vllm_glm53.backends.latent_cache`; the CPU module's docstring says why this needs no
-    state outside the pages).
+    writing ``K_p`` to the page's pooled keys (page layout: :mod:`vllm_glm53.backends.latent_cache`; the CPU
+    module's docstring says why this needs no state outside the pages).
   * ``index_scores``: per (query block, pool block), one GEMM per indexer head, ReLU, and the head-weighted sum
     accumulated in registers: the ``[Tq, nI, P]`` logits never reach memory.
   * expansion (inside ``select_tokens``): selected pools -> their kp tokens, then the tail, then -1 padding.
