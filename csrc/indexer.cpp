@@ -53,42 +53,54 @@ inline float pool_score(const T* K, const float* q, const float* w, int64_t nI, 
   return s;
 }
 
-// out[i] = pool_score(keys[i], ...) for n pools: two pools by two heads per pass over the channels, so each key and
-// query load feeds two products (pool_score loads both operands of every product).
+// Asks for the cache lines of one key of dI values (into L1: the caller reads it next).
 template <typename T>
-void score_pools(const T* const* keys, int64_t n, const float* q, const float* w, int64_t nI, int64_t dI,
-                 float scale, float* out) {
-  int64_t i = 0;
-  for (; i + 2 <= n; i += 2) {
-    const T* k0 = keys[i];
-    const T* k1 = keys[i + 1];
-    float s0 = 0.0f, s1 = 0.0f;
+inline void request_key(const T* key, int64_t dI) {
+  const char* p = reinterpret_cast<const char*>(key);
+  for (int64_t b = 0; b < dI * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+// out[i] = sum_h w[h] * relu(scale * q[h] . keys[i]) for n pools, q [nI, dI] and w [nI] float32. Each pass over a
+// key's channels serves four heads (one key load feeds four products; a (pool, head) sum is one accumulator in
+// channel order, as pool_score's heads are added in head order). While pool i is scored, the lines of ahead[i]
+// (i < n_ahead: the keys the caller scores next) are requested, so that their reads spread over this chunk's
+// arithmetic: cold calls wait on memory, and a burst of a whole chunk's requests up front overlaps less (measured).
+template <typename T>
+void score_pools(const T* const* keys, int64_t n, const T* const* ahead, int64_t n_ahead, const float* q,
+                 const float* w, int64_t nI, int64_t dI, float scale, float* out) {
+  auto head_term = [&](int64_t h, F16 acc) { return w[h] * std::max(scale * reduce_add(acc), 0.0f); };
+  for (int64_t i = 0; i < n; ++i) {
+    if (i < n_ahead) request_key(ahead[i], dI);
+    const T* key = keys[i];
+    float s = 0.0f;
     int64_t h = 0;
-    for (; h + 2 <= nI; h += 2) {
-      const float* qa = q + h * dI;
-      const float* qb = qa + dI;
-      F16 a0 = zero(), a1 = zero(), b0 = zero(), b1 = zero();
+    for (; h + 4 <= nI; h += 4) {
+      const float* qh = q + h * dI;
+      F16 a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero();
       for (int64_t c = 0; c < dI; c += kLanes) {
         const int m = static_cast<int>(std::min<int64_t>(kLanes, dI - c));
-        const F16 x0 = load(k0 + c, m), x1 = load(k1 + c, m), ya = load(qa + c, m), yb = load(qb + c, m);
-        a0 = fma(ya, x0, a0);
-        a1 = fma(ya, x1, a1);
-        b0 = fma(yb, x0, b0);
-        b1 = fma(yb, x1, b1);
+        const F16 x = load(key + c, m);
+        a0 = fma(load(qh + c, m), x, a0);
+        a1 = fma(load(qh + dI + c, m), x, a1);
+        a2 = fma(load(qh + 2 * dI + c, m), x, a2);
+        a3 = fma(load(qh + 3 * dI + c, m), x, a3);
       }
-      s0 += w[h] * std::max(scale * reduce_add(a0), 0.0f);
-      s1 += w[h] * std::max(scale * reduce_add(a1), 0.0f);
-      s0 += w[h + 1] * std::max(scale * reduce_add(b0), 0.0f);
-      s1 += w[h + 1] * std::max(scale * reduce_add(b1), 0.0f);
+      s += head_term(h, a0);
+      s += head_term(h + 1, a1);
+      s += head_term(h + 2, a2);
+      s += head_term(h + 3, a3);
     }
     for (; h < nI; ++h) {
-      s0 += w[h] * std::max(scale * dot(q + h * dI, k0, dI), 0.0f);
-      s1 += w[h] * std::max(scale * dot(q + h * dI, k1, dI), 0.0f);
+      F16 a = zero();
+      for (int64_t c = 0; c < dI; c += kLanes) {
+        const int m = static_cast<int>(std::min<int64_t>(kLanes, dI - c));
+        a = fma(load(q + h * dI + c, m), load(key + c, m), a);
+      }
+      s += head_term(h, a);
     }
-    out[i] = s0;
-    out[i + 1] = s1;
+    out[i] = s;
   }
-  for (; i < n; ++i) out[i] = pool_score(keys[i], q, w, nI, dI, scale);
+  for (int64_t i = n; i < n_ahead; ++i) request_key(ahead[i], dI);
 }
 
 inline int64_t index_width(int64_t topk, int64_t kp, bool tail) { return topk + (tail ? kp - 1 : 0); }
@@ -314,26 +326,36 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
       TORCH_CHECK(blk >= 0 && blk < n_blocks, "indexer_select: block id ", blk, " outside the cache");
       return base + blk * pooled.stride(0) + (p % pools) * pooled.stride(1);
     };
+    // Item i's keys into ``keys``; returns their count.
+    auto chunk_keys = [&](int64_t i, const scalar_t** keys) {
+      const auto [r, p0] = items[i];
+      const int64_t p1 = std::min(p0 + kPoolChunk, lens[r] / kp);
+      for (int64_t p = p0; p < p1; ++p) keys[p - p0] = pooled_key(r, p);
+      return p1 - p0;
+    };
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
-      const scalar_t* keys[kPoolChunk];
+      const scalar_t* bufs[2][kPoolChunk];
+      const scalar_t** keys = bufs[0];
+      const scalar_t** next = bufs[1];
+      int64_t n_keys = i0 < i1 ? chunk_keys(i0, keys) : 0;
       for (int64_t i = i0; i < i1; ++i) {
         const auto [r, p0] = items[i];
         const int64_t S = lens[r], q0 = qs[r], q_len = qs[r + 1] - q0, cols = (S + kp - 1) / kp;
-        const int64_t p1 = std::min(p0 + kPoolChunk, S / kp);
-        for (int64_t p = p0; p < p1; ++p) keys[p - p0] = pooled_key(r, p);
-        // A chunk's keys lie in one or two pages (pages hold whole pools, contiguous): its lines are requested
-        // before any key is scored, so that the first reads of each page overlap.
-        for (int64_t p = 0; p < p1 - p0; ++p) {
-          const char* key = reinterpret_cast<const char*>(keys[p]);
-          for (int64_t b = 0; b < dI * static_cast<int64_t>(sizeof(scalar_t)); b += 64) __builtin_prefetch(key + b, 0, 3);
-        }
+        // The next item's keys are requested while this one is scored (by its first query that scores it).
+        const int64_t n_following = i + 1 < i1 ? chunk_keys(i + 1, next) : 0;
+        int64_t n_ahead = n_following;
         float* sc = scores.data() + buf_off[r];
         for (int64_t t = 0; t < q_len; ++t) {
           const int64_t n_cand = (S - q_len + t + 1) / kp;  // pools complete at this query's position
+          if (n_cand <= p0) continue;
           const float* qt = q.data_ptr<float>() + (q0 + t) * nI * dI;
           const float* wt = w.data_ptr<float>() + (q0 + t) * nI;
-          if (n_cand > p0) score_pools(keys, std::min(p1, n_cand) - p0, qt, wt, nI, dI, scale, sc + t * cols + p0);
+          score_pools(keys, std::min(n_keys, n_cand - p0), next, n_ahead, qt, wt, nI, dI, scale, sc + t * cols + p0);
+          n_ahead = 0;
         }
+        for (int64_t j = 0; j < n_ahead; ++j) request_key(next[j], dI);
+        std::swap(keys, next);
+        n_keys = n_following;
       }
     });
   });

@@ -340,7 +340,7 @@ def test_select_batch_identical_to_torch(integer_valued, dtype):
     """Integer-valued keys, queries and weights with uniform gates make every score exact in both paths (the
     pooled keys are means of small integers), so ties are everywhere and must break identically; random values
     check the general case."""
-    topk, kp, dI, nI, lead, bs = 16, 4, 16, 3, 10, 8
+    topk, kp, dI, nI, lead, bs = 16, 4, 16, 6, 10, 8  # heads: a group of four and two more (score_pools)
     gen = _gen(22)
     row = cache_row_size(lead, dI, kp, block_size=bs)
     cache, table = _paged(SEQ_LENS, row, bs, dtype, 23, lambda r, S: torch.zeros(S, row))

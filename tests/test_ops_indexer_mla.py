@@ -260,7 +260,7 @@ def test_speculative_steps_keep_the_inputs_of_rejected_pools(impl):
 def test_selection_reads_the_pooled_keys(impl):
     """Selection over the stored pooled keys equals the definition: every complete pool compressed from the raw
     keys and gates, scored, selected (decodes below and above the dense limit, a prefill chunk, odd lengths)."""
-    topk, nI = 8, 3
+    topk, nI = 8, 5  # a group of four heads and one more in the compiled scoring
     lengths, q_lens = [45, 11, 38, 27], [1, 1, 9, 27]
     seqs = PagedSequences(n_requests=len(lengths), max_len=max(lengths), block_size=BLOCK, seed=12)
     seqs.layer_step(impl(ix.store_pooled_keys), [(r, 0, n) for r, n in enumerate(lengths)])  # the whole prompts
