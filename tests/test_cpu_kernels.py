@@ -34,6 +34,7 @@ import torch
 
 from kernel_isas import ISA, ops, other_isas, rerun_on
 from vllm_glm53.backends.cpu import build, kda, kernels, mhc, moe
+from vllm_glm53.backends.cpu import linear as linear_ops
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import sparse_mla as mla
 from vllm_glm53.backends.pages import page_views, write_tokens
@@ -588,7 +589,7 @@ def test_large_16bit_batches_leave_the_kernel_for_per_expert_gemms(monkeypatch):
     f32 = _moe_inputs(600, 2, torch.float32, seed=54)
     small = _moe_inputs(3, 2, torch.bfloat16, seed=55)
     for native in (False, True):
-        monkeypatch.setattr(moe, "native_16bit", lambda dtype: native)
+        monkeypatch.setattr(linear_ops, "native_16bit", lambda dtype: native)
         assert "per-expert GEMMs are faster" in moe._experts_check(*bf16, SWIGLU_LIMIT)
         assert "per-expert GEMMs are faster" in moe._experts_check(*f32, SWIGLU_LIMIT)
         assert moe._experts_check(*small, SWIGLU_LIMIT) is None

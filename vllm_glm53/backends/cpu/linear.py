@@ -25,7 +25,7 @@ from vllm_glm53 import _vllm
 from vllm_glm53.backends.cpu import kernels
 from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
 
-__all__ = ["linear16", "native_16bit", "take_16bit_gemms"]
+__all__ = ["linear16", "native_16bit", "take_16bit_gemms", "widens"]
 
 logger = logging.getLogger("vllm_glm53")
 
@@ -40,6 +40,12 @@ def native_16bit(dtype: torch.dtype) -> bool:
     from vllm_glm53.backends.cpu.build import cpu_flags
 
     return bool(_NATIVE_FLAGS.get(dtype, set()) & cpu_flags())
+
+
+def widens(dtype: torch.dtype) -> bool:
+    """Whether products in ``dtype`` go to :data:`linear16` on this CPU: a 16-bit dtype it has no native arithmetic
+    for (torch's GEMMs would convert inside their loops)."""
+    return dtype in _NATIVE_FLAGS and not native_16bit(dtype)
 
 
 linear16 = Op("linear16")
@@ -83,7 +89,7 @@ def take_16bit_gemms(model: torch.nn.Module) -> int:
         return 0
     taken = 0
     for layer in _vllm.cpu_gemm_layers(model):
-        if layer.weight.dtype in _NATIVE_FLAGS and not native_16bit(layer.weight.dtype):
+        if widens(layer.weight.dtype):
             _vllm.set_cpu_gemm(layer, _cpu_linear)
             taken += 1
     if taken:

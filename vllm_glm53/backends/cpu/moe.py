@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_glm53.backends.cpu import kernels
-from vllm_glm53.backends.cpu.linear import linear16, native_16bit
+from vllm_glm53.backends.cpu.linear import linear16, widens
 from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
 
 __all__ = ["clamped_swiglu", "group_by_expert", "routed_experts"]
@@ -39,7 +39,7 @@ def kernel_max_pairs(dtype: torch.dtype) -> int | None:
     ``WIDENED_MIN_PAIRS``: on 2 threads of an AMD EPYC (AVX2), bfloat16, D = 512, I = 256, E = 8 (k = 2) and
     E = 64 (k = 8), the two were even at 64-96 pairs per expert, the loop 2.2x / 1.5x slower at 8 / 32 and
     1.5-2x faster at 256-512."""
-    if dtype in (torch.bfloat16, torch.float16) and not native_16bit(dtype):
+    if widens(dtype):
         return WIDENED_MIN_PAIRS
     if dtype == torch.bfloat16:
         return 16
@@ -60,10 +60,10 @@ def _experts_check(x, w13, w2, ids, weights, swiglu_limit):
 
 
 def _widened_check(x, w13, w2, ids, weights, swiglu_limit):
-    if w13.dtype != w2.dtype or w13.dtype not in (torch.bfloat16, torch.float16):
-        return f"needs one 16-bit weight dtype, got {w13.dtype} and {w2.dtype}"
-    if native_16bit(w13.dtype):
-        return f"this CPU multiplies {w13.dtype} natively: torch's GEMMs take it"
+    if w13.dtype != w2.dtype:
+        return f"needs one weight dtype, got {w13.dtype} and {w2.dtype}"
+    if not widens(w13.dtype):
+        return f"{w13.dtype} is not widened on this CPU (float32, or 16-bit with native arithmetic: torch's GEMMs)"
     return _expert_tensors(x, w13, w2, ids, weights, swiglu_limit)
 
 

@@ -40,10 +40,10 @@ def split_kv_b(
     their loops (on an AVX2 machine a 2,048-token prefill spent 70 % of its time in these two products). They
     are a small part of the weights (2 x the latent x the heads' key and value widths per MLA layer)."""
     w = kv_b_weight.view(num_heads, nope_dim + v_dim, kv_b_weight.shape[-1])
-    if w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16):
-        from vllm_glm53.backends.cpu.linear import native_16bit
+    if w.device.type == "cpu":
+        from vllm_glm53.backends.cpu.linear import widens
 
-        if not native_16bit(w.dtype):
+        if widens(w.dtype):
             w = w.float()
     return w[:, :nope_dim].contiguous(), w[:, nope_dim:].contiguous()
 
