@@ -102,6 +102,15 @@ void run_group(float* S, int64_t ldS, int64_t dk, int ncols, const HeadInputs& i
   }
 }
 
+// dst[0..n) = src[0..n) (a group's row: a few lane groups, inline; std::copy's library call per row cost more
+// than the decode recurrence itself).
+inline void copy_floats(const float* src, float* dst, int64_t n) {
+  for (int64_t c = 0; c < n; c += kLanes) {
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - c));
+    store(dst + c, load(src + c, m), m);
+  }
+}
+
 at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
 void check_f32(const at::Tensor& t, const char* name) {
@@ -208,34 +217,38 @@ at::Tensor kda_varlen(const at::Tensor& q_, const at::Tensor& k_, const at::Tens
       const int64_t c0 = grp * group_cols;
       const int ncols = static_cast<int>(std::min(group_cols, dv - c0));
       const int64_t slot_in = sched.in[r];
+      float* group_in = slot_in >= 0 ? sp + slot_in * ps0 + h * ps1 + c0 : nullptr;
+      sched.sorted_outputs(r, outs);
+      auto inputs = [&](int64_t t) {  // the head's inputs from token t of the request on
+        const int64_t tok = t0 + t;
+        return HeadInputs{qp + tok * q.stride(0) + h * q.stride(1), kp + tok * k.stride(0) + h * k.stride(1),
+                          gp + tok * g.stride(0) + h * g.stride(1), vp + tok * v.stride(0) + h * v.stride(1) + c0,
+                          bp + tok * beta.stride(0) + h * beta.stride(1),
+                          q.stride(0), k.stride(0), g.stride(0), v.stride(0), beta.stride(0),
+                          op + tok * o.stride(0) + h * o.stride(1) + c0, o.stride(0)};
+      };
+      // A decode that stores its state back into the slot it read (the common step) runs on the pool in place:
+      // its one token gains nothing from a staged copy, which cost more than the recurrence (two row copies per
+      // state row).
+      if (len == 1 && outs.size() == 1 && outs[0].second == slot_in && group_in != nullptr) {
+        run_group(group_in, ps2, dk, ncols, inputs(0), 1, scratch.data());
+        continue;
+      }
       for (int64_t i = 0; i < dk; ++i) {
         float* dst = S.data() + i * group_cols;
-        if (slot_in >= 0) {
-          const float* src = sp + slot_in * ps0 + h * ps1 + i * ps2 + c0;
-          std::copy(src, src + ncols, dst);
-        } else {
-          std::fill(dst, dst + ncols, 0.0f);
-        }
+        if (group_in != nullptr) copy_floats(group_in + i * ps2, dst, ncols);
+        else std::fill(dst, dst + ncols, 0.0f);
       }
-      sched.sorted_outputs(r, outs);
       int64_t t = 0;
       auto run = [&](int64_t upto) {  // tokens t .. upto - 1 of the request
         if (upto <= t) return;
-        const int64_t tok = t0 + t;
-        HeadInputs hin{qp + tok * q.stride(0) + h * q.stride(1), kp + tok * k.stride(0) + h * k.stride(1),
-                       gp + tok * g.stride(0) + h * g.stride(1), vp + tok * v.stride(0) + h * v.stride(1) + c0,
-                       bp + tok * beta.stride(0) + h * beta.stride(1),
-                       q.stride(0), k.stride(0), g.stride(0), v.stride(0), beta.stride(0),
-                       op + tok * o.stride(0) + h * o.stride(1) + c0, o.stride(0)};
-        run_group(S.data(), group_cols, dk, ncols, hin, upto - t, scratch.data());
+        run_group(S.data(), group_cols, dk, ncols, inputs(t), upto - t, scratch.data());
         t = upto;
       };
       for (const auto& [after, slot] : outs) {
         run(after + 1);
-        for (int64_t i = 0; i < dk; ++i) {
-          const float* src = S.data() + i * group_cols;
-          std::copy(src, src + ncols, sp + slot * ps0 + h * ps1 + i * ps2 + c0);
-        }
+        for (int64_t i = 0; i < dk; ++i)
+          copy_floats(S.data() + i * group_cols, sp + slot * ps0 + h * ps1 + i * ps2 + c0, ncols);
       }
       run(len);  // tokens after the last store point still produce outputs
     }

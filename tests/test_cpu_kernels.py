@@ -178,6 +178,27 @@ def test_kda_varlen_speculative_stores_the_state_after_each_draft():
     _close(pool, want_pool, ulps=3)
 
 
+@pytest.mark.parametrize("H,dk,dv", [(2, 24, 40), (4, 128, 128)])
+def test_kda_varlen_decodes_in_place_or_into_another_slot(H, dk, dv):
+    """A step of one-token requests: two decodes that store back into the slot they read (the compiled op updates
+    those in place), a one-token verification resuming from an accepted draft's slot and storing into its first
+    column (another slot: its source must stay as it was), a padding row and a fresh one-token prompt."""
+    plan = StateSlots(torch.tensor([0, 1, 2, 3, 3, 4]), torch.tensor([2, 5, 0, -1, -1]),
+                      torch.tensor([[2], [5], [3], [-1], [6]]), torch.tensor([[0], [0], [0], [-1], [0]]), 5, 4, 1)
+    q, k, v, g, beta = _kda_inputs(plan.num_tokens, H, dk, dv, seed=dk + 3)
+    pages, pool = _padded_pool(7, (H, dk, dv), 9, seed=4)
+    before = pages.clone()
+    got = kda.kda_varlen.implementation("compiled")(q, k, v, g, beta, pool, plan)
+    ref_pool = before[:, 9:].view(7, H, dk, dv).clone()
+    want = kda.kda_varlen.implementation("torch")(q, k, v, g, beta, ref_pool, plan)
+    # measured (ulps of max|reference|, avx2): as test_kda_varlen_matches_torch
+    _close(got, want, ulps=8)
+    _close(pool, ref_pool, ulps=4)
+    assert torch.equal(pages[:, :9], before[:, :9])
+    untouched = [0, 1, 4]  # slot 0 is only read
+    assert torch.equal(pool[untouched], before[:, 9:].view(7, H, dk, dv)[untouched])
+
+
 def test_kda_varlen_long_strong_decay_matches_recurrence():
     """Unbounded gate with large rates: decays underflow to 0 without NaN, like the token-by-token oracle."""
     H, dk, dv, T = 2, 16, 16, 300
