@@ -118,7 +118,7 @@ def _mixed_plan():
 
 def _spec_plan():
     """Two requests verifying drafts (3 and 2 tokens, slots per draft position, resuming from the slot of the last
-    accepted token: column 1 and column 0) and one plain decode row."""
+    accepted token: column 1 and column 0)."""
     slots = torch.tensor([[6, 2, 3], [0, 4, 5]])
     spec = StateSlots.speculative(torch.tensor([0, 3, 5]), slots, torch.tensor([2, 1]), 5, 3)
     return spec
@@ -133,13 +133,10 @@ def _padded_pool(N, shape, pad, seed):
     return pages, pages[:, pad:].view(N, *shape)
 
 
-@pytest.mark.parametrize("H,dk,dv", SHAPES)
-@pytest.mark.parametrize("which", ["mixed", "speculative"])
-def test_kda_varlen_matches_torch(H, dk, dv, which):
-    """The compiled batch op against its torch form (per request, the chunked delta rule between store points):
-    outputs, every stored state, and nothing else in the pool or its page padding touched."""
-    plan = _mixed_plan() if which == "mixed" else _spec_plan()
-    q, k, v, g, beta = _kda_inputs(plan.num_tokens, H, dk, dv, seed=dk + dv)
+def _kda_varlen_matches_torch(plan, H, dk, dv, seed):
+    """The compiled batch op against its torch form (per request, the chunked delta rule between store points) on a
+    7-slot pool: outputs, every stored state, and nothing else in the pool or its page padding touched."""
+    q, k, v, g, beta = _kda_inputs(plan.num_tokens, H, dk, dv, seed=seed)
     pages, pool = _padded_pool(7, (H, dk, dv), 33, seed=1)
     before = pages.clone()
     got = kda.kda_varlen.implementation("compiled")(q, k, v, g, beta, pool, plan)
@@ -153,6 +150,22 @@ def test_kda_varlen_matches_torch(H, dk, dv, which):
     stored = set(plan.state_out[plan.state_out_at >= 0].tolist())
     untouched = [s for s in range(7) if s not in stored]
     assert torch.equal(pool[untouched], before[:, 33:].view(7, H, dk, dv)[untouched])
+
+
+@pytest.mark.parametrize("H,dk,dv", SHAPES)
+@pytest.mark.parametrize("which", ["mixed", "speculative"])
+def test_kda_varlen_matches_torch(H, dk, dv, which):
+    _kda_varlen_matches_torch(_mixed_plan() if which == "mixed" else _spec_plan(), H, dk, dv, seed=dk + dv)
+
+
+@pytest.mark.parametrize("H,dk,dv", [(2, 24, 40), (4, 128, 128)])
+def test_kda_varlen_decodes_in_place_or_into_another_slot(H, dk, dv):
+    """A step of one-token requests: two decodes that store back into the slot they read (the compiled op updates
+    those in place), a one-token verification resuming from an accepted draft's slot and storing into its first
+    column (another slot, whose source, slot 0, must stay as it was), a padding row and a fresh one-token prompt."""
+    plan = StateSlots(torch.tensor([0, 1, 2, 3, 3, 4]), torch.tensor([2, 5, 0, -1, -1]),
+                      torch.tensor([[2], [5], [3], [-1], [6]]), torch.tensor([[0], [0], [0], [-1], [0]]), 5, 4, 1)
+    _kda_varlen_matches_torch(plan, H, dk, dv, seed=dk + 3)
 
 
 def test_kda_varlen_speculative_stores_the_state_after_each_draft():
@@ -176,27 +189,6 @@ def test_kda_varlen_speculative_stores_the_state_after_each_draft():
     _close(got, want, ulps=6)
     # measured (ulps of max|reference|, avx2): 0.52
     _close(pool, want_pool, ulps=3)
-
-
-@pytest.mark.parametrize("H,dk,dv", [(2, 24, 40), (4, 128, 128)])
-def test_kda_varlen_decodes_in_place_or_into_another_slot(H, dk, dv):
-    """A step of one-token requests: two decodes that store back into the slot they read (the compiled op updates
-    those in place), a one-token verification resuming from an accepted draft's slot and storing into its first
-    column (another slot: its source must stay as it was), a padding row and a fresh one-token prompt."""
-    plan = StateSlots(torch.tensor([0, 1, 2, 3, 3, 4]), torch.tensor([2, 5, 0, -1, -1]),
-                      torch.tensor([[2], [5], [3], [-1], [6]]), torch.tensor([[0], [0], [0], [-1], [0]]), 5, 4, 1)
-    q, k, v, g, beta = _kda_inputs(plan.num_tokens, H, dk, dv, seed=dk + 3)
-    pages, pool = _padded_pool(7, (H, dk, dv), 9, seed=4)
-    before = pages.clone()
-    got = kda.kda_varlen.implementation("compiled")(q, k, v, g, beta, pool, plan)
-    ref_pool = before[:, 9:].view(7, H, dk, dv).clone()
-    want = kda.kda_varlen.implementation("torch")(q, k, v, g, beta, ref_pool, plan)
-    # measured (ulps of max|reference|, avx2): as test_kda_varlen_matches_torch
-    _close(got, want, ulps=8)
-    _close(pool, ref_pool, ulps=4)
-    assert torch.equal(pages[:, :9], before[:, :9])
-    untouched = [0, 1, 4]  # slot 0 is only read
-    assert torch.equal(pool[untouched], before[:, 9:].view(7, H, dk, dv)[untouched])
 
 
 def test_kda_varlen_long_strong_decay_matches_recurrence():
