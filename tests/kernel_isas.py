@@ -1,20 +1,54 @@
 """What the compiled-kernel test modules share: the kernels this process loaded, the fixture that requires them,
 and the re-run of a module on every other instruction set this CPU runs (in a subprocess, with
-``VLLM_GLM53_CPU_ISA`` forcing that build), so each path the loader could pick here is tested."""
+``VLLM_GLM53_CPU_ISA`` forcing that build), so each path the loader could pick here is tested.
+
+A CPU without AVX-512 also re-runs the modules on the avx512 path emulated (``avx512-emulated``): the kernels
+built with that path's intrinsics taken from SIMDe (Debian's libsimde-dev, which the set-up installs) and
+tests/avx512_emulation.h, so the arithmetic every AVX-512 server runs is checked on every machine; the rerun's
+process loads that library as its avx512 one (``EMULATION_ENV`` names it). It checks values, not speed, and not
+that masked loads stay inside their buffers (the emulation reads only the selected lanes, as the instructions
+do, but cannot fault where they would)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from vllm_glm53.backends.cpu import build, kernels
 
+EMULATED = "avx512-emulated"
+EMULATION_ENV = "GLM53_TEST_EMULATED_AVX512"  # set in an emulated rerun: the library to load as avx512
+EMULATION_HEADER = Path(__file__).resolve().parent / "avx512_emulation.h"
+SIMDE_HEADER = "simde/x86/avx512.h"
+
+if os.environ.get(EMULATION_ENV):
+    # This process is an emulated rerun: the CPU "runs" avx512 and its library is the emulated build. Patched
+    # before the first kernels.ops() call, which loads the library.
+    _emulated_library = Path(os.environ[EMULATION_ENV])
+    _library_path = build.library_path
+    build.ISA_CPU_FLAGS = {**build.ISA_CPU_FLAGS, "avx512": build.ISA_CPU_FLAGS["avx2"]}
+    build.library_path = lambda isa, torch_version=None: (
+        _emulated_library if isa == "avx512" else _library_path(isa, torch_version))
+
 ops = kernels.ops()
 ISA = kernels.isa()
 OTHER_ISAS = [isa for isa in build.runnable_isas() if isa != ISA]
+if os.environ.get(EMULATION_ENV):
+    assert ISA == "avx512", f"the emulated rerun loaded {kernels.description()}"
+
+
+def simde_include_dir() -> Path | None:
+    """The include directory holding SIMDe's AVX-512 header, or None."""
+    for d in ("/usr/include", "/usr/local/include"):
+        if (Path(d) / SIMDE_HEADER).is_file():
+            return Path(d)
+    return None
 
 
 def require_kernels() -> None:
@@ -28,17 +62,54 @@ def require_kernels() -> None:
 
 
 def other_isas():
-    """The parameters of a module's ``test_other_instruction_sets``: every other instruction set this CPU runs, or
-    one skipped parameter saying that this process tests the only one."""
-    return OTHER_ISAS or [pytest.param(None, marks=pytest.mark.skip(
+    """The parameters of a module's ``test_other_instruction_sets``: every other instruction set this CPU runs, and
+    the emulated avx512 path where the CPU has no AVX-512 (skipped, saying why, without SIMDe's headers)."""
+    params = list(OTHER_ISAS)
+    if "avx512" not in build.runnable_isas() and ops is not None:
+        params.append(EMULATED if simde_include_dir() else pytest.param(EMULATED, marks=pytest.mark.skip(
+            reason=f"no {SIMDE_HEADER}: apt-get install libsimde-dev (make setup does, as root)")))
+    return params or [pytest.param(None, marks=pytest.mark.skip(
         reason=f"this CPU runs only the {ISA} path, tested in this process"))]
 
 
+def emulated_avx512_library() -> Path:
+    """The kernels built with the avx512 path emulated (see the module docstring): vec.h's avx512 branch with
+    tests/avx512_emulation.h force-included, on top of the avx2 build's flags. Kept under build/ and rebuilt
+    when a kernel source or the emulation header is newer."""
+    import torch
+
+    src = build.source_dir()
+    target = src.parent / "build" / f"kernels-{EMULATED}" / f"_kernels.avx512.torch-{torch.__version__}.so"
+    sources = [src / name for name in build.SOURCES + build.HEADERS] + [EMULATION_HEADER]
+    if target.is_file() and target.stat().st_mtime > max(p.stat().st_mtime for p in sources):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="glm53-kernels-emulated-") as tmp:
+        staged = Path(tmp) / target.name
+        compiles, link = build._compile_commands("avx2", src, Path(tmp), staged)
+        # -fno-tree-sra: GCC 12 stops with an internal error in that pass on SIMDe's 512-bit types.
+        extra = ["-DGLM53_EMULATED_AVX512", f"-I{simde_include_dir()}", "-include", str(EMULATION_HEADER),
+                 "-fno-tree-sra"]
+
+        def run(cmd: list[str]) -> None:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            assert proc.returncode == 0, f"emulated avx512 build failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}"
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(run, [cmd + extra for cmd in compiles]))
+        run(link)
+        os.replace(staged, target)
+    return target
+
+
 def rerun_on(isa: str, module: str, deselect: str, timeout: int = 600) -> None:
-    """Run the test module ``module`` (a file path) again on the kernels of ``isa``, without the tests ``deselect``
-    names (a ``-k`` expression, which must include ``other_instruction_sets``)."""
+    """Run the test module ``module`` (a file path) again on the kernels of ``isa`` (or the emulated avx512 path),
+    without the tests ``deselect`` names (a ``-k`` expression, which must include ``other_instruction_sets``)."""
+    env = {**os.environ, kernels.ISA_ENV: isa}
+    if isa == EMULATED:
+        env.update({kernels.ISA_ENV: "avx512", EMULATION_ENV: str(emulated_avx512_library())})
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", module, "-q", "-p", "no:cacheprovider", "-k", f"not ({deselect})"],
-        env={**os.environ, kernels.ISA_ENV: isa}, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{kernels.ISA_ENV}={isa}:\n{proc.stdout[-8000:]}{proc.stderr[-2000:]}"
+        env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{isa}:\n{proc.stdout[-8000:]}{proc.stderr[-2000:]}"
     assert " passed" in proc.stdout and " failed" not in proc.stdout
