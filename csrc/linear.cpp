@@ -11,8 +11,10 @@
 // Rows go in tasks of kRowsPerTask rows inside one row block of one part. Three paths, by the number of tokens M:
 //   direct  (M <= kDirectMaxTokens, decode): one parallel region over the tasks streams every weight byte once,
 //           converting it in registers (gemv.h), so the call is bound by reading the weight;
-//   tile    (up to kPanelMinTokens, decode batches): each row pair is widened / dequantized once per token chunk
-//           into an L1-resident float32 buffer and dotted with every token of the chunk;
+//   tile    (up to kPanelMinTokens, decode batches): the tokens lie across the vector lanes (transposed once) and
+//           kRowTile rows at a time, widened / dequantized a chunk of columns at a time into an L1-resident float32
+//           buffer, are broadcast against them (gemv.h's rows_by_tokens: no horizontal sums, one token load per
+//           column for all the rows);
 //   panels  (more tokens: prefill): consecutive tasks make a panel of about kPanelBytes of
 //           float32 rows; all threads widen / dequantize the panel into a buffer, then torch's float32 GEMM
 //           multiplies it with the tokens into the panel's output columns. The conversion is paid once per weight
@@ -59,8 +61,10 @@ struct Rows16 {
   static constexpr bool kScaledTokens = false;  // the direct path dots the float32 tokens as they are
   const W* w;
   int64_t ws;
+  int64_t column_block() const { return kLanes; }  // widen()'s column ranges start at multiples of this
   const W* row(int64_t r) const { return w + r * ws; }
-  void widen(const RowTask&, int64_t r, int64_t K, float* out) const { to_float(row(r), out, K); }
+  // Row r's columns [k0, k0 + n) as float32.
+  void widen(const RowTask&, int64_t r, int64_t k0, int64_t n, float* out) const { to_float(row(r) + k0, out, n); }
 };
 
 // Block-FP8 rows: direct-path tokens are pre-multiplied by the task's row-block scales (scale_by_blocks), panel
@@ -75,9 +79,11 @@ struct RowsFp8 {
   void scale_tokens(const RowTask& task, const float* x, int64_t M, int64_t K, float* buf) const {
     for (int64_t j = 0; j < M; ++j) scale_by_blocks(x + j * K, scale + task.scale_row * KB, K, block_k, buf + j * K);
   }
+  int64_t column_block() const { return block_k; }
   const E4m3* row(int64_t r) const { return w + r * ws; }
-  void widen(const RowTask& task, int64_t r, int64_t K, float* out) const {
-    dequantize_row(row(r), scale + task.scale_row * KB, K, block_k, out);
+  // Row r's columns [k0, k0 + n) dequantized (k0 a multiple of block_k).
+  void widen(const RowTask& task, int64_t r, int64_t k0, int64_t n, float* out) const {
+    dequantize_row(row(r) + k0, scale + task.scale_row * KB + k0 / block_k, n, block_k, out);
   }
 };
 
@@ -102,7 +108,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
       at::parallel_for(static_cast<int64_t>(t0), static_cast<int64_t>(t1), 1, [&](int64_t b, int64_t end) {
         for (; b < end; ++b)
           for (int64_t r = tasks[b].row0; r < tasks[b].row0 + tasks[b].rows; ++r)
-            rows.widen(tasks[b], r, K, pp + (r - row0) * K);
+            rows.widen(tasks[b], r, 0, K, pp + (r - row0) * K);
       });
       at::Tensor dst = out32.narrow(1, row0, n);
       at::mm_out(dst, x, panel.narrow(0, 0, n).t());
@@ -114,29 +120,36 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
   GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "linear output", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     if (M > kDirectMaxTokens) {
-      const int64_t chunk = token_chunk(K, kTileChunkBytes);
+      const std::vector<float> xt = tokens_across_lanes(xp, M, K);
+      const int64_t groups = ceil_div(M, kLanes);
+      const int64_t chunk = ceil_div(kColumnChunk, rows.column_block()) * rows.column_block();
       at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
-        std::vector<float> tile(2 * K);
-        const float* pair[2] = {tile.data(), tile.data() + K};
-        const float* xs[kTok];
-        float acc[2][kTok];
+        std::vector<float> tile(kRowTile * chunk);
+        std::vector<float> acc(groups * kRowTile * kLanes);
         for (; b < end; ++b) {
           const RowTask& task = tasks[b];
           const int64_t last = task.row0 + task.rows;
-          for (int64_t t0 = 0; t0 < M; t0 += chunk) {
-            const int64_t t1 = std::min(t0 + chunk, M);
-            for (int64_t r = task.row0; r < last; r += 2) {
-              const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
-              for (int i = 0; i < nr; ++i) rows.widen(task, r + i, K, tile.data() + i * K);
-              for (int64_t j0 = t0; j0 < t1; j0 += kTok) {
-                const int n = static_cast<int>(std::min<int64_t>(kTok, t1 - j0));
-                for (int j = 0; j < n; ++j) xs[j] = xp + (j0 + j) * K;
-                if (nr == 2) dot_tokens<2>(pair, nullptr, xs, n, K, acc);
-                else dot_tokens<1>(pair, nullptr, xs, n, K, acc);
-                for (int j = 0; j < n; ++j)
-                  for (int i = 0; i < nr; ++i) op[(j0 + j) * N + r + i] = static_cast<scalar_t>(acc[i][j]);
-              }
+          for (int64_t r0 = task.row0; r0 < last; r0 += kRowTile) {
+            const int nr = static_cast<int>(std::min<int64_t>(kRowTile, last - r0));
+            for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+              const int64_t kn = std::min(chunk, K - k0);
+              for (int i = 0; i < nr; ++i) rows.widen(task, r0 + i, k0, kn, tile.data() + i * chunk);
+              // The weight widened next: these rows' next chunk (the next rows' first one, within the task).
+              const bool more = k0 + chunk < K;
+              const int64_t nk0 = more ? k0 + chunk : 0, nrow = more ? r0 : r0 + kRowTile;
+              const int nn = static_cast<int>(std::clamp<int64_t>(last - nrow, 0, nr));
+              const char* ahead[kRowTile];
+              for (int i = 0; i < nr; ++i)
+                ahead[i] = reinterpret_cast<const char*>(rows.row(nrow + std::min(i, nn - 1)) + nk0);
+              const int64_t ahead_bytes = nn > 0 ? std::min(chunk, K - nk0) * static_cast<int64_t>(sizeof(W)) : 0;
+              for (int64_t g = 0; g < groups; ++g)
+                rows_by_tokens_n(nr, tile.data(), chunk, xt.data() + (g * K + k0) * kLanes, kn, k0 > 0,
+                                 g == 0 && nn > 0 ? ahead : nullptr, ahead_bytes,
+                                 reinterpret_cast<float(*)[kLanes]>(acc.data() + g * kRowTile * kLanes));
             }
+            for (int64_t j = 0; j < M; ++j)
+              for (int i = 0; i < nr; ++i)
+                op[j * N + r0 + i] = static_cast<scalar_t>(acc[((j / kLanes) * kRowTile + i) * kLanes + j % kLanes]);
           }
         }
       });

@@ -96,12 +96,14 @@ def test_block_scales_far_from_one(exponent, M):
 
 # (parts, K): exact blocks; one ragged part in both directions; fused ragged parts (the second starts inside a
 # block row of the fused weight, its scales at row 2); three parts and a K below one lane group's multiple; two
-# parts larger than a panel (K = 320: 3,276 rows), so panels end inside parts and inside row blocks.
-LINEAR_SHAPES = [([256], 256), ([200], 320), ([200, 200], 320), ([72, 128, 40], 100), ([3300, 3500], 320)]
+# parts larger than a panel (K = 320: 3,276 rows), so panels end inside parts and inside row blocks; a K of two
+# column chunks of the tile path (512 each), the second ending in a ragged block.
+LINEAR_SHAPES = [([256], 256), ([200], 320), ([200, 200], 320), ([72, 128, 40], 100), ([3300, 3500], 320),
+                 ([200], 700)]
 
 
 @pytest.mark.parametrize("parts,K", LINEAR_SHAPES)
-@pytest.mark.parametrize("M", [1, 3, 16, 40])  # direct path (up to 2 x kTok tokens), tile path, panels
+@pytest.mark.parametrize("M", [1, 3, 16, 20, 40])  # direct (up to 2 x kTok tokens), tile (one, two token groups), panels
 def test_fp8_linear_matches_dequantize_then_matmul(parts, K, M):
     gen = _gen(M * 100 + K)
     weight, scale = _fused(parts, K, gen)

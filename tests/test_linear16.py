@@ -44,8 +44,9 @@ def _want(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # (N, K): one task; ragged rows and a K off the lane groups; a weight larger than one panel (K = 512: 2,048 rows a
-# panel), its last panel and last task ragged.
-SHAPES = [(16, 64), (37, 100), (4200, 512)]
+# panel), its last panel and last task ragged; a K of three column chunks of the tile path (512 each), the last
+# one ragged and off the lane groups.
+SHAPES = [(16, 64), (37, 100), (4200, 512), (40, 1100)]
 
 
 @pytest.mark.parametrize("N,K", SHAPES)
