@@ -9,8 +9,9 @@
 //   direct  for a few tokens: the token rows are multiplied by one row block's scales (scale_by_blocks), then
 //           dotted with the E4M3 rows as they stream in (vec.h's E4M3 load), so every weight byte is read once
 //           and converted once per kTok tokens; nothing is written but the results.
-//   tile    for more tokens: a row is dequantized into a float32 buffer (dequantize_row) that stays in L1/L2
-//           and is dotted with every token of a chunk, so the conversion is paid once per row and chunk.
+//   tile    for more tokens (moe.cpp): a row is dequantized into a float32 buffer (dequantize_row) that stays
+//           in L1/L2 and is dotted with every token of a chunk, so the conversion is paid once per row and chunk.
+//           linear.cpp's tile path instead puts the tokens across the lanes (rows_by_tokens, below).
 #pragma once
 
 #include <type_traits>

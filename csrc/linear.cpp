@@ -32,9 +32,11 @@ namespace {
 // Float32 weight rows per panel: large enough that the GEMM runs at its full rate and the token rows are re-read
 // only N * K * 4 / kPanelBytes times, small enough to stay in the last-level cache between the two steps.
 constexpr int64_t kPanelBytes = 4 << 20;
-// Tokens from which the panels beat the tile path (below them the GEMM's packing of each panel is not repaid:
-// M = 16 was 1.5x slower through panels, M = 64 2x faster, K = 4096, AVX2, 2 threads).
-constexpr int64_t kPanelMinTokens = 32;
+// Tokens from which the panels take over from the tile path. 4096 x 4096, cold, AVX2, 2 threads: the tile path
+// ran 86-109 GFLOP/s from 32 to 256 tokens, the panels 42-54 at 32-64 tokens, 66-100 at 96-128 and 86-98 at 256
+// (~110 at 512). The portable build's tile path has SSE2's registers (kRowTile 2): it keeps the earlier switch,
+// which was measured against the dot-product tile loop (M = 16 1.5x slower through panels, M = 64 2x faster).
+constexpr int64_t kPanelMinTokens = kVectorRegs >= 8 ? 256 : 32;
 
 struct RowTask {
   int64_t row0, rows, scale_row;

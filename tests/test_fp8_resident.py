@@ -56,7 +56,7 @@ def _fused(parts: list[int], k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("M", [1, 9, 33])  # the direct path, the tile path and the panels
+@pytest.mark.parametrize("M", [1, 9, 33, 256])  # direct; tile; tile (avx2, avx512) / panels (portable); panels
 def test_every_e4m3_code_converts_exactly(M):
     """All 256 codes (subnormals, both zeros, the largest +-448), through both kernel paths: one-hot tokens pick
     one column of a weight holding every code, scale 1. e4m3fn's two NaN codes read as +-480 (csrc/vec.h)."""
@@ -75,7 +75,7 @@ def test_every_e4m3_code_converts_exactly(M):
 
 
 @pytest.mark.parametrize("exponent", [-40, 40])
-@pytest.mark.parametrize("M", [1, 9, 40])  # the direct path, the tile path and the panels
+@pytest.mark.parametrize("M", [1, 9, 40, 256])  # direct; tile; tile (avx2, avx512) / panels (portable); panels
 def test_block_scales_far_from_one(exponent, M):
     """The kernels fold the E4M3 read unit (2^-120 on avx2, csrc/vec.h) into the token rows and the sums: token
     times scale far above 2^8 must not overflow (the whole 2^120 on the tokens would), nor far below 1 lose
@@ -103,7 +103,8 @@ LINEAR_SHAPES = [([256], 256), ([200], 320), ([200, 200], 320), ([72, 128, 40], 
 
 
 @pytest.mark.parametrize("parts,K", LINEAR_SHAPES)
-@pytest.mark.parametrize("M", [1, 3, 16, 20, 40])  # direct (up to 2 x kTok tokens), tile (one, two token groups), panels
+# direct (up to 2 x kTok tokens); tile (one, two token groups); 40: tile (avx2, avx512) / panels (portable); panels
+@pytest.mark.parametrize("M", [1, 3, 16, 20, 40, 256])
 def test_fp8_linear_matches_dequantize_then_matmul(parts, K, M):
     gen = _gen(M * 100 + K)
     weight, scale = _fused(parts, K, gen)

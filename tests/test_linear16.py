@@ -50,7 +50,8 @@ SHAPES = [(16, 64), (37, 100), (4200, 512), (40, 1100)]
 
 
 @pytest.mark.parametrize("N,K", SHAPES)
-@pytest.mark.parametrize("M", [1, 3, 5, 16, 31, 32, 40])  # direct up to 4 (avx2) / 8 (avx512), tile below 32, panels
+# direct up to 4 (avx2) / 8 (avx512); tile below 256 (avx2, avx512) / 32 (portable); panels
+@pytest.mark.parametrize("M", [1, 3, 5, 16, 31, 40, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_linear16_matches_the_widened_product(dtype, M, N, K):
     gen = _gen(M * 1000 + N + K)
@@ -62,7 +63,7 @@ def test_linear16_matches_the_widened_product(dtype, M, N, K):
     _close(got.double(), _want(x, weight).double(), ulps=12 * F32_ULPS)
 
 
-@pytest.mark.parametrize("M", [2, 16, 40])
+@pytest.mark.parametrize("M", [2, 16, 40, 256])
 def test_linear16_in_bfloat16_activations(M):
     """bfloat16 tokens and weights: the float32 sums rounded once to bfloat16."""
     gen = _gen(11 + M)
