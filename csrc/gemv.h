@@ -130,8 +130,8 @@ inline std::vector<float> tokens_across_lanes(const float* x, int64_t M, int64_t
 }
 
 // acc[r][lane] = (acc[r][lane] if ``accumulate``) + sum_k rows[r * ld + k] * xt[k * kLanes + lane], k < len, for R
-// widened rows (the sum over k from zero, then added). ``ahead`` (or null): R byte ranges of ``ahead_bytes`` each, the weight the caller widens next,
-// prefetched evenly over the loop.
+// widened rows (the sum over k from zero, then added). ``ahead`` (or null): R byte ranges of ``ahead_bytes`` each,
+// the weight the caller widens next, prefetched evenly over the loop.
 template <int R>
 [[gnu::noinline]] void rows_by_tokens(const float* rows, int64_t ld, const float* xt, int64_t len, bool accumulate,
                                       const char* const* ahead, int64_t ahead_bytes, float (*acc)[kLanes]) {
