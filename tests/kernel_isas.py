@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -78,28 +76,12 @@ def emulated_avx512_library() -> Path:
     when a kernel source or the emulation header is newer."""
     import torch
 
-    src = build.source_dir()
-    target = src.parent / "build" / f"kernels-{EMULATED}" / f"_kernels.avx512.torch-{torch.__version__}.so"
-    sources = [src / name for name in build.SOURCES + build.HEADERS] + [EMULATION_HEADER]
-    if target.is_file() and target.stat().st_mtime > max(p.stat().st_mtime for p in sources):
-        return target
+    target = build.source_dir().parent / "build" / f"kernels-{EMULATED}"
+    target = target / f"_kernels.avx512.torch-{torch.__version__}.so"
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="glm53-kernels-emulated-") as tmp:
-        staged = Path(tmp) / target.name
-        compiles, link = build._compile_commands("avx2", src, Path(tmp), staged)
-        # -fno-tree-sra: GCC 12 stops with an internal error in that pass on SIMDe's 512-bit types.
-        extra = ["-DGLM53_EMULATED_AVX512", f"-I{simde_include_dir()}", "-include", str(EMULATION_HEADER),
-                 "-fno-tree-sra"]
-
-        def run(cmd: list[str]) -> None:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            assert proc.returncode == 0, f"emulated avx512 build failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}"
-
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(run, [cmd + extra for cmd in compiles]))
-        run(link)
-        os.replace(staged, target)
-    return target
+    # -fno-tree-sra: GCC 12 stops with an internal error in that pass on SIMDe's 512-bit types.
+    extra = ("-DGLM53_EMULATED_AVX512", f"-I{simde_include_dir()}", "-include", str(EMULATION_HEADER), "-fno-tree-sra")
+    return build.compile_library("avx2", target, extra_cflags=extra, extra_sources=(EMULATION_HEADER,))
 
 
 def rerun_on(isa: str, module: str, deselect: str, timeout: int = 600) -> None:

@@ -88,7 +88,8 @@ def source_dir() -> Path:
     raise FileNotFoundError("the kernel sources (csrc/) are not next to this package")
 
 
-def _compile_commands(isa: str, src: Path, out_dir: Path, out: Path) -> tuple[list[list[str]], list[str]]:
+def _compile_commands(isa: str, src: Path, out_dir: Path, out: Path,
+                      extra_cflags: tuple[str, ...] = ()) -> tuple[list[list[str]], list[str]]:
     import torch
     from torch.utils import cpp_extension
 
@@ -104,6 +105,7 @@ def _compile_commands(isa: str, src: Path, out_dir: Path, out: Path) -> tuple[li
         "-O3", "-DNDEBUG", "-std=c++20", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-ffp-contract=off",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
         *ISA_CFLAGS[isa],
+        *extra_cflags,
     ]
     cflags += [f"-I{p}" for p in cpp_extension.include_paths()]
     objects, compiles = [], []
@@ -117,23 +119,28 @@ def _compile_commands(isa: str, src: Path, out_dir: Path, out: Path) -> tuple[li
     return compiles, link
 
 
+def _newer_than_sources(target: Path, extra_sources: tuple[Path, ...] = ()) -> bool:
+    src = source_dir()
+    sources = [src / name for name in SOURCES + HEADERS] + list(extra_sources)
+    return target.is_file() and target.stat().st_mtime > max(p.stat().st_mtime for p in sources)
+
+
 def up_to_date(isa: str) -> bool:
     """Whether ``isa``'s library for this torch exists and is newer than every kernel source."""
-    target = library_path(isa)
-    src = source_dir()
-    newest_source = max((src / name).stat().st_mtime for name in SOURCES + HEADERS)
-    return target.is_file() and target.stat().st_mtime > newest_source
+    return _newer_than_sources(library_path(isa))
 
 
-def _build_one(isa: str, verbose: bool, force: bool) -> Path:
-    target = library_path(isa)
+def compile_library(isa: str, target: Path, extra_cflags: tuple[str, ...] = (), extra_sources: tuple[Path, ...] = (),
+                    verbose: bool = False, force: bool = False) -> Path:
+    """Compile csrc/ with ``isa``'s flags (and ``extra_cflags``) into ``target``, unless it is newer than every
+    kernel source and ``extra_sources`` (the tests' emulated avx512 build uses both)."""
     src = source_dir()
-    if not force and up_to_date(isa):
+    if not force and _newer_than_sources(target, extra_sources):
         return target
     with tempfile.TemporaryDirectory(prefix=f"glm53-kernels-{isa}-") as tmp:
         tmp_dir = Path(tmp)
         staged = tmp_dir / target.name
-        compiles, link = _compile_commands(isa, src, tmp_dir, staged)
+        compiles, link = _compile_commands(isa, src, tmp_dir, staged, extra_cflags)
 
         def run(cmd: list[str]) -> None:
             if verbose:
@@ -160,7 +167,7 @@ def build(isas: str | list[str] = "auto", verbose: bool = False, force: bool = F
     unknown = [isa for isa in isas if isa not in ISA_CFLAGS]
     if unknown:
         raise ValueError(f"unknown instruction set(s) {unknown}; known: {', '.join(ISAS)}")
-    return [_build_one(isa, verbose, force) for isa in isas]
+    return [compile_library(isa, library_path(isa), verbose=verbose, force=force) for isa in isas]
 
 
 def main(argv: list[str] | None = None) -> int:
