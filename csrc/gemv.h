@@ -9,11 +9,12 @@
 //   direct  for a few tokens: the token rows are multiplied by one row block's scales (scale_by_blocks), then
 //           dotted with the E4M3 rows as they stream in (vec.h's E4M3 load), so every weight byte is read once
 //           and converted once per kTok tokens; nothing is written but the results.
-//   tile    for more tokens (moe.cpp): a row is dequantized into a float32 buffer (dequantize_row) that stays
-//           in L1/L2 and is dotted with every token of a chunk, so the conversion is paid once per row and chunk.
-//           linear.cpp's tile path instead puts the tokens across the lanes (rows_by_tokens, below).
+//   tile    for more tokens: the tokens lie across the vector lanes and a few rows at a time, dequantized a chunk
+//           of columns at a time into an L1-resident float32 buffer (dequantize_row), are broadcast against
+//           them (rows_by_tokens, below), so the conversion is paid once per weight value and pass.
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -39,9 +40,6 @@ constexpr float kE4m3TokenScale = 1.0f / (kE4m3Unit * kE4m3SumScale);
 // E4M3 rows again (from L1: a row pair is a few KiB), against one float32 row write and re-read per row in the
 // tile path; two groups is about where the two cost the same.
 constexpr int64_t kDirectMaxTokens = 2 * kTok;
-// Float32 token rows per pass of the tile path: each pass dequantizes its rows once, so this bounds that work to
-// a small fraction of the dot products (K = 7168: 18 tokens per pass).
-constexpr int64_t kTileChunkBytes = 512 << 10;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -117,16 +115,27 @@ inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const*
 // 16 partial sums; one running sum over K = 4,096 columns was ~10x theirs).
 constexpr int kRowTile = std::min<int>(kRowsPerTask, kVectorRegs - 2);  // accumulators + the tokens + a broadcast
 constexpr int64_t kColumnChunk = 256;  // columns widened per step: kRowTile rows of them stay in L1
+// Tokens from which moe.cpp's experts put them across the lanes. With fewer, most lanes of the one token group
+// would multiply zeros: there each row, dequantized into L1, is dotted with kTok tokens at a time (dot_tokens).
+// One FP8 expert of GLM-5.3-Flash's size, AVX2, 2 threads: the lanes took 11.4 ms for 5 to 16 tokens, the dot
+// products 8.2 (5 tokens), 11.3 (8), 13.3 (10), 19.6 (16).
+constexpr int64_t kAcrossLanesMinTokens = 9;
+// Token groups per pass over a block of rows (moe.cpp, which may give one expert a whole prefill's tokens): each
+// row tile reads the pass's token groups once, 4 MiB at K = 4,096 for 16 groups (256 tokens, where linear.cpp's
+// tile path ends), which stays in the last-level cache; each pass widens the rows again (one conversion per
+// weight value and 256 tokens).
+constexpr int64_t kTilePassGroups = 16;
 
-// xt [ceil(M / kLanes)][K][kLanes]: token j's value k at xt[(j / kLanes) * K * kLanes + k * kLanes + j % kLanes],
-// zero in the lanes past the last token.
-inline std::vector<float> tokens_across_lanes(const float* x, int64_t M, int64_t K) {
-  std::vector<float> xt(ceil_div(M, kLanes) * K * kLanes, 0.0f);
+// xt [ceil(M / kLanes)][K][kLanes]: token j's value k (row(j)[k]) at xt[(j / kLanes) * K * kLanes + k * kLanes +
+// j % kLanes], zero in the lanes past the last token.
+template <typename RowOf>
+void tokens_across_lanes(const RowOf& row, int64_t M, int64_t K, float* xt) {
+  if (M % kLanes != 0) std::fill_n(xt + (M / kLanes) * K * kLanes, K * kLanes, 0.0f);
   for (int64_t j = 0; j < M; ++j) {
-    float* dst = xt.data() + (j / kLanes) * K * kLanes + j % kLanes;
-    for (int64_t k = 0; k < K; ++k) dst[k * kLanes] = x[j * K + k];
+    const float* src = row(j);
+    float* dst = xt + (j / kLanes) * K * kLanes + j % kLanes;
+    for (int64_t k = 0; k < K; ++k) dst[k * kLanes] = src[k];
   }
-  return xt;
 }
 
 // acc[r][lane] = (acc[r][lane] if ``accumulate``) + sum_k rows[r * ld + k] * xt[k * kLanes + lane], k < len, for R
@@ -156,6 +165,31 @@ inline void rows_by_tokens_n(int nr, const float* rows, int64_t ld, const float*
   if constexpr (R > 1)
     if (nr < R) return rows_by_tokens_n<R - 1>(nr, rows, ld, xt, len, accumulate, ahead, ahead_bytes, acc);
   rows_by_tokens<R>(rows, ld, xt, len, accumulate, ahead, ahead_bytes, acc);
+}
+
+// One row tile against token groups: acc[g * kRowTile + i][lane] = row i . token (g * kLanes + lane) for nr rows
+// and g < groups (xt as tokens_across_lanes lays it out, K columns), a chunk of ``chunk`` columns at a time
+// (a multiple of the rows' column block): widen(i, k0, n, out) writes row i's columns [k0, k0 + n) as float32
+// into ``tile`` (kRowTile x chunk floats). Meanwhile the weight widened next is prefetched: ``rows`` (byte
+// pointers to the nr rows' starts, ``elem`` bytes a value) at their next chunk, after their last chunk
+// ``next`` (nn rows, 0: none) at their first.
+template <typename Widen>
+void row_tile_by_tokens(int nr, const Widen& widen, const char* const* rows, const char* const* next, int nn,
+                        int64_t elem, const float* xt, int64_t groups, int64_t K, int64_t chunk, float* tile,
+                        float* acc) {
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t kn = std::min(chunk, K - k0);
+    for (int i = 0; i < nr; ++i) widen(i, k0, kn, tile + i * chunk);
+    const bool more = k0 + chunk < K;
+    const int an = more ? nr : nn;
+    const char* ahead[kRowTile];
+    for (int i = 0; i < nr; ++i)
+      ahead[i] = more ? rows[i] + (k0 + chunk) * elem : an > 0 ? next[std::min(i, an - 1)] : nullptr;
+    const int64_t ahead_bytes = an > 0 ? std::min(chunk, K - (more ? k0 + chunk : 0)) * elem : 0;
+    for (int64_t g = 0; g < groups; ++g)
+      rows_by_tokens_n(nr, tile, chunk, xt + (g * K + k0) * kLanes, kn, k0 > 0, g == 0 && an > 0 ? ahead : nullptr,
+                       ahead_bytes, reinterpret_cast<float(*)[kLanes]>(acc + g * kRowTile * kLanes));
+  }
 }
 
 // ---- block FP8 -------------------------------------------------------------------------------------------

@@ -122,8 +122,9 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
   GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "linear output", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     if (M > kDirectMaxTokens) {
-      const std::vector<float> xt = tokens_across_lanes(xp, M, K);
       const int64_t groups = ceil_div(M, kLanes);
+      std::vector<float> xt(groups * K * kLanes);
+      tokens_across_lanes([&](int64_t j) { return xp + j * K; }, M, K, xt.data());
       const int64_t chunk = ceil_div(kColumnChunk, rows.column_block()) * rows.column_block();
       at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
         std::vector<float> tile(kRowTile * chunk);
@@ -133,22 +134,15 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
           const int64_t last = task.row0 + task.rows;
           for (int64_t r0 = task.row0; r0 < last; r0 += kRowTile) {
             const int nr = static_cast<int>(std::min<int64_t>(kRowTile, last - r0));
-            for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-              const int64_t kn = std::min(chunk, K - k0);
-              for (int i = 0; i < nr; ++i) rows.widen(task, r0 + i, k0, kn, tile.data() + i * chunk);
-              // The weight widened next: these rows' next chunk (the next rows' first one, within the task).
-              const bool more = k0 + chunk < K;
-              const int64_t nk0 = more ? k0 + chunk : 0, nrow = more ? r0 : r0 + kRowTile;
-              const int nn = static_cast<int>(std::clamp<int64_t>(last - nrow, 0, nr));
-              const char* ahead[kRowTile];
-              for (int i = 0; i < nr; ++i)
-                ahead[i] = reinterpret_cast<const char*>(rows.row(nrow + std::min(i, nn - 1)) + nk0);
-              const int64_t ahead_bytes = nn > 0 ? std::min(chunk, K - nk0) * static_cast<int64_t>(sizeof(W)) : 0;
-              for (int64_t g = 0; g < groups; ++g)
-                rows_by_tokens_n(nr, tile.data(), chunk, xt.data() + (g * K + k0) * kLanes, kn, k0 > 0,
-                                 g == 0 && nn > 0 ? ahead : nullptr, ahead_bytes,
-                                 reinterpret_cast<float(*)[kLanes]>(acc.data() + g * kRowTile * kLanes));
-            }
+            // prefetched after these rows: the task's next rows (the next task's first rows are not requested)
+            const int nn = static_cast<int>(std::clamp<int64_t>(last - r0 - kRowTile, 0, kRowTile));
+            const char* here[kRowTile];
+            const char* next[kRowTile];
+            for (int i = 0; i < nr; ++i) here[i] = reinterpret_cast<const char*>(rows.row(r0 + i));
+            for (int i = 0; i < nn; ++i) next[i] = reinterpret_cast<const char*>(rows.row(r0 + kRowTile + i));
+            row_tile_by_tokens(
+                nr, [&](int i, int64_t k0, int64_t n, float* out) { rows.widen(task, r0 + i, k0, n, out); }, here,
+                next, nn, sizeof(W), xt.data(), groups, K, chunk, tile.data(), acc.data());
             for (int64_t j = 0; j < M; ++j)
               for (int i = 0; i < nr; ++i)
                 op[j * N + r0 + i] = static_cast<scalar_t>(acc[((j / kLanes) * kRowTile + i) * kLanes + j % kLanes]);

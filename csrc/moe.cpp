@@ -18,8 +18,11 @@
 //
 // moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes: per expert the direct path
 // (at most kDirectMaxTokens tokens: tokens pre-multiplied by the row block's scales, E4M3 rows converted as they
-// stream) or the tile path (each row dequantized into an L1-resident float32 buffer, then dotted with every
-// token of the chunk). It serves every batch size: there is no dequantized copy for torch's GEMMs to use.
+// stream), up to kAcrossLanesMinTokens each row dequantized into L1 and dotted with kTok tokens at a time, from
+// there the tile path (gemv.h's row_tile_by_tokens, as linear.cpp's: the expert's tokens across the vector
+// lanes, a few rows at a time dequantized into an L1-resident buffer and broadcast against them; step 1 writes h
+// in that layout for step 2). It serves every batch size, prefill included: there is no dequantized copy for
+// torch's GEMMs to use.
 
 #include <vector>
 
@@ -225,19 +228,34 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   const E4m3* w2p = reinterpret_cast<const E4m3*>(w2.data_ptr());
   const float *s13p = w13_scale.data_ptr<float>(), *s2p = w2_scale.data_ptr<float>();
   const int64_t s13e = w13.stride(0), s13r = w13.stride(1), s2e = w2.stride(0), s2r = w2.stride(1);
-  const int64_t x_chunk = token_chunk(D, kTileChunkBytes), h_chunk = token_chunk(I, kTileChunkBytes);
+
+  // Experts with at least kAcrossLanesMinTokens tokens: their tokens across the lanes (gemv.h), x for step 1,
+  // and h, which step 1 writes in that layout for step 2. group0[e]: the expert's first token group.
+  std::vector<int64_t> group0(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e)
+    group0[e + 1] = group0[e] + (count[e] >= kAcrossLanesMinTokens ? ceil_div(count[e], kLanes) : 0);
+  const int64_t groups_total = group0[E];
+  std::vector<float> xt(groups_total * D * kLanes), ht(groups_total * I * kLanes);
+  at::parallel_for(0, E, 1, [&](int64_t e, int64_t end) {
+    for (; e < end; ++e)
+      if (group0[e + 1] > group0[e])
+        tokens_across_lanes([&](int64_t j) { return xp + token_at[start[e] + j] * D; }, count[e], D,
+                            xt.data() + group0[e] * D * kLanes);
+  });
+  const int64_t x_chunk = ceil_div(kColumnChunk, block_k) * block_k;  // tile columns: whole scale blocks
+  const int64_t gate_rows = std::max(1, kRowTile / 2);                 // a tile's gate rows, then as many up rows
 
   // 1. h = clamped_swiglu(W13_e x): a task's rows lie in one gate row block and the same up row block.
   const std::vector<Task> up_tasks = expert_tasks(count, I);
   at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
-    // direct: the tokens times the gate block's and the up block's scales; tile: one gate row and one up row
-    std::vector<float> buf(std::max(2 * kDirectMaxTokens * D, 2 * D));
-    float acc[2][kDirectMaxTokens], acc_up[2][kDirectMaxTokens];
-    const float* xs[kDirectMaxTokens];
+    // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row
+    std::vector<float> buf(2 * kDirectMaxTokens * D);
+    std::vector<float> tile(kRowTile * x_chunk), acc(kTilePassGroups * kRowTile * kLanes);
+    float acc_gate[2][kDirectMaxTokens], acc_up[2][kDirectMaxTokens];
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
     for (; b < end; ++b) {
       const Task& task = up_tasks[b];
-      const int64_t e = task.expert, c0 = start[e], c1 = start[e + 1];
+      const int64_t e = task.expert, c0 = start[e], c1 = start[e + 1], last = task.row0 + task.rows;
       const E4m3* we = w13p + e * s13e;
       const float* gate_scale = s13p + (e * 2 * nbI + task.row0 / block_n) * kbD;
       const float* up_scale = gate_scale + nbI * kbD;
@@ -255,34 +273,73 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         const float* xgs[kDirectMaxTokens];
         const float* xus[kDirectMaxTokens];
         for (int j = 0; j < n; ++j) xgs[j] = xg + j * D, xus[j] = xu + j * D;
-        for (int64_t r = task.row0; r < task.row0 + task.rows; r += 2) {
-          const int nr = static_cast<int>(std::min<int64_t>(2, task.row0 + task.rows - r));
+        for (int64_t r = task.row0; r < last; r += 2) {
+          const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
           const E4m3* gate[2] = {we + r * s13r, we + (r + nr - 1) * s13r};
           const E4m3* up[2] = {we + (I + r) * s13r, we + (I + r + nr - 1) * s13r};
-          dot_rows(gate, up, nr, xgs, n, D, acc);  // prefetches the up rows, read next
+          dot_rows(gate, up, nr, xgs, n, D, acc_gate);  // prefetches the up rows, read next
           const int64_t rn = std::min(r + 2 * kAhead, I - 2);
           const E4m3* next[2] = {we + rn * s13r, we + (rn + 1) * s13r};
           dot_rows(up, rn >= 0 ? next : nullptr, nr, xus, n, D, acc_up);
           for (int i = 0; i < nr; ++i)
-            for (int j = 0; j < n; ++j) hp[(c0 + j) * I + r + i] = clamped_swiglu(acc[i][j], acc_up[i][j], limit);
+            for (int j = 0; j < n; ++j)
+              hp[(c0 + j) * I + r + i] = clamped_swiglu(acc_gate[i][j], acc_up[i][j], limit);
         }
         continue;
       }
-      scaled_for = -1;  // the tile path reuses buf
-      float* rows_f[2] = {buf.data(), buf.data() + D};
-      const float* rows[2] = {rows_f[0], rows_f[1]};
-      for (int64_t t0 = c0; t0 < c1; t0 += x_chunk) {
-        const int64_t t1 = std::min(t0 + x_chunk, c1);
-        for (int64_t r = task.row0; r < task.row0 + task.rows; ++r) {
+      if (c1 - c0 < kAcrossLanesMinTokens) {
+        scaled_for = -1;  // buf now holds dequantized rows
+        float* rows_f[2] = {buf.data(), buf.data() + D};
+        const float* rows[2] = {rows_f[0], rows_f[1]};
+        const float* xs[kTok];
+        for (int64_t r = task.row0; r < last; ++r) {
           dequantize_row(we + r * s13r, gate_scale, D, block_k, rows_f[0]);
           dequantize_row(we + (I + r) * s13r, up_scale, D, block_k, rows_f[1]);
-          for (int64_t j0 = t0; j0 < t1; j0 += kTok) {
-            const int n = static_cast<int>(std::min<int64_t>(kTok, t1 - j0));
+          for (int64_t j0 = c0; j0 < c1; j0 += kTok) {
+            const int n = static_cast<int>(std::min<int64_t>(kTok, c1 - j0));
             for (int j = 0; j < n; ++j) xs[j] = xp + token_at[j0 + j] * D;
             float part[2][kTok];
             dot_tokens<2>(rows, nullptr, xs, n, D, part);
             for (int j = 0; j < n; ++j) hp[(j0 + j) * I + r] = clamped_swiglu(part[0][j], part[1][j], limit);
           }
+        }
+        continue;
+      }
+      // tile: gate_rows gate rows and the same up rows at a time (dequantized by column chunks) against the
+      // expert's token groups, kTilePassGroups groups per pass; h goes into ht across the lanes (the lanes past
+      // the last token get clamped_swiglu(0, 0) = 0)
+      const float* xe = xt.data() + group0[e] * D * kLanes;
+      float* he = ht.data() + group0[e] * I * kLanes;
+      const int64_t groups = group0[e + 1] - group0[e];
+      for (int64_t p0 = 0; p0 < groups; p0 += kTilePassGroups) {
+        const int64_t pg = std::min(kTilePassGroups, groups - p0);
+        for (int64_t r0 = task.row0; r0 < last; r0 += gate_rows) {
+          const int nh = static_cast<int>(std::min<int64_t>(gate_rows, last - r0));
+          const int nn = static_cast<int>(std::clamp<int64_t>(last - r0 - gate_rows, 0, gate_rows));
+          const char* here[kRowTile];
+          const char* next[kRowTile];
+          for (int i = 0; i < nh; ++i) {
+            here[i] = reinterpret_cast<const char*>(we + (r0 + i) * s13r);
+            here[nh + i] = reinterpret_cast<const char*>(we + (I + r0 + i) * s13r);
+          }
+          for (int i = 0; i < nn; ++i) {
+            next[i] = reinterpret_cast<const char*>(we + (r0 + gate_rows + i) * s13r);
+            next[nn + i] = reinterpret_cast<const char*>(we + (I + r0 + gate_rows + i) * s13r);
+          }
+          row_tile_by_tokens(
+              2 * nh,
+              [&](int i, int64_t k0, int64_t n, float* out) {
+                const bool gate = i < nh;
+                dequantize_row(reinterpret_cast<const E4m3*>(here[i]) + k0, (gate ? gate_scale : up_scale) + k0 / block_k,
+                               n, block_k, out);
+              },
+              here, next, 2 * nn, 1, xe + p0 * D * kLanes, pg, D, x_chunk, tile.data(), acc.data());
+          for (int64_t q = 0; q < pg; ++q)
+            for (int i = 0; i < nh; ++i) {
+              const float* ag = acc.data() + (q * kRowTile + i) * kLanes;
+              float* dst = he + ((p0 + q) * I + r0 + i) * kLanes;
+              for (int l = 0; l < kLanes; ++l) dst[l] = clamped_swiglu(ag[l], ag[nh * kLanes + l], limit);
+            }
         }
       }
     }
@@ -290,14 +347,16 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
 
   // 2. y = W2_e h: a task's rows lie in one row block of W2.
   const std::vector<Task> down_tasks = expert_tasks(count, D);
+  const int64_t h_chunk = ceil_div(kColumnChunk, block_k) * block_k;
   at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
-    std::vector<float> buf(std::max(kDirectMaxTokens * I, 2 * I));
-    float acc[2][kDirectMaxTokens];
+    std::vector<float> buf(std::max(kDirectMaxTokens, int64_t{2}) * I);  // direct: scaled h rows; few: two W2 rows
+    std::vector<float> tile(kRowTile * h_chunk), acc(kTilePassGroups * kRowTile * kLanes);
+    float acc_direct[2][kDirectMaxTokens];
     const float* hs[kDirectMaxTokens];
     int64_t scaled_for = -1;
     for (; b < end; ++b) {
       const Task& task = down_tasks[b];
-      const int64_t e = task.expert, c0 = start[e], c1 = start[e + 1];
+      const int64_t e = task.expert, c0 = start[e], c1 = start[e + 1], last = task.row0 + task.rows;
       const E4m3* we = w2p + e * s2e;
       const float* scale = s2p + (e * nbD + task.row0 / block_n) * kbI;
       if (c1 - c0 <= kDirectMaxTokens) {
@@ -307,33 +366,58 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           scaled_for = e * nbD + task.row0 / block_n;
         }
         for (int j = 0; j < n; ++j) hs[j] = buf.data() + j * I;
-        for (int64_t r = task.row0; r < task.row0 + task.rows; r += 2) {
-          const int nr = static_cast<int>(std::min<int64_t>(2, task.row0 + task.rows - r));
+        for (int64_t r = task.row0; r < last; r += 2) {
+          const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
           const E4m3* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
           const int64_t rn = std::min(r + 2 * kAhead, D - 2);
           const E4m3* next[2] = {we + rn * s2r, we + (rn + 1) * s2r};
-          dot_rows(rows, rn >= 0 ? next : nullptr, nr, hs, n, I, acc);
+          dot_rows(rows, rn >= 0 ? next : nullptr, nr, hs, n, I, acc_direct);
           for (int j = 0; j < n; ++j)
-            for (int i = 0; i < nr; ++i) yp[(c0 + j) * D + r + i] = acc[i][j];
+            for (int i = 0; i < nr; ++i) yp[(c0 + j) * D + r + i] = acc_direct[i][j];
         }
         continue;
       }
-      scaled_for = -1;
-      float* rows_f[2] = {buf.data(), buf.data() + I};
-      const float* rows[2] = {rows_f[0], rows_f[1]};
-      for (int64_t t0 = c0; t0 < c1; t0 += h_chunk) {
-        const int64_t t1 = std::min(t0 + h_chunk, c1);
-        for (int64_t r = task.row0; r < task.row0 + task.rows; r += 2) {
-          const int nr = static_cast<int>(std::min<int64_t>(2, task.row0 + task.rows - r));
+      if (c1 - c0 < kAcrossLanesMinTokens) {
+        scaled_for = -1;
+        float* rows_f[2] = {buf.data(), buf.data() + I};
+        const float* rows[2] = {rows_f[0], rows_f[1]};
+        for (int64_t r = task.row0; r < last; r += 2) {
+          const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
           for (int i = 0; i < nr; ++i) dequantize_row(we + (r + i) * s2r, scale, I, block_k, rows_f[i]);
-          for (int64_t j0 = t0; j0 < t1; j0 += kTok) {
-            const int n = static_cast<int>(std::min<int64_t>(kTok, t1 - j0));
+          for (int64_t j0 = c0; j0 < c1; j0 += kTok) {
+            const int n = static_cast<int>(std::min<int64_t>(kTok, c1 - j0));
             for (int j = 0; j < n; ++j) hs[j] = hp + (j0 + j) * I;
             float part[2][kTok];
             if (nr == 2) dot_tokens<2>(rows, nullptr, hs, n, I, part);
             else dot_tokens<1>(rows, nullptr, hs, n, I, part);
             for (int j = 0; j < n; ++j)
               for (int i = 0; i < nr; ++i) yp[(j0 + j) * D + r + i] = part[i][j];
+          }
+        }
+        continue;
+      }
+      // tile: kRowTile rows of W2 at a time against the expert's h groups (ht, from step 1)
+      const float* he = ht.data() + group0[e] * I * kLanes;
+      const int64_t groups = group0[e + 1] - group0[e];
+      for (int64_t p0 = 0; p0 < groups; p0 += kTilePassGroups) {
+        const int64_t pg = std::min(kTilePassGroups, groups - p0);
+        for (int64_t r0 = task.row0; r0 < last; r0 += kRowTile) {
+          const int nr = static_cast<int>(std::min<int64_t>(kRowTile, last - r0));
+          const int nn = static_cast<int>(std::clamp<int64_t>(last - r0 - kRowTile, 0, kRowTile));
+          const char* here[kRowTile];
+          const char* next[kRowTile];
+          for (int i = 0; i < nr; ++i) here[i] = reinterpret_cast<const char*>(we + (r0 + i) * s2r);
+          for (int i = 0; i < nn; ++i) next[i] = reinterpret_cast<const char*>(we + (r0 + kRowTile + i) * s2r);
+          row_tile_by_tokens(
+              nr,
+              [&](int i, int64_t k0, int64_t n, float* out) {
+                dequantize_row(we + (r0 + i) * s2r + k0, scale + k0 / block_k, n, block_k, out);
+              },
+              here, next, nn, 1, he + p0 * I * kLanes, pg, I, h_chunk, tile.data(), acc.data());
+          for (int64_t q = 0; q < pg; ++q) {
+            const int64_t j0 = (p0 + q) * kLanes, tokens = std::min<int64_t>(kLanes, c1 - c0 - j0);
+            for (int64_t l = 0; l < tokens; ++l)
+              for (int i = 0; i < nr; ++i) yp[(c0 + j0 + l) * D + r0 + i] = acc[(q * kRowTile + i) * kLanes + l];
           }
         }
       }
