@@ -17,11 +17,13 @@ the serving model does:
   the step runs the compiled ``moe_experts_fp8`` and ``fp8_linear``;
 * ``bf16``: every weight dequantized to bfloat16 (the default model dtype) as ``StackedExperts`` and vLLM's
   unquantized linears keep them; the step runs the ``routed_experts`` op (compiled kernel for decode batches,
-  torch's GEMMs above its threshold) and torch's bfloat16 ``linear``.
+  per-expert GEMMs above its threshold) and the model's bfloat16 linear: the compiled ``linear16`` on a CPU
+  without native bfloat16 arithmetic (as ``take_16bit_gemms`` sets the model's layers), else torch's ``linear``.
 
 A step is every layer's FFN for a batch of tokens with fresh random routing per call (top-8 of the experts,
 distinct per token). Weights of all layers are several times the last-level cache, the caches are flushed before
-each timed step and the two sides never share a weight copy; medians of ``--repeat`` steps. Both sides' outputs
+each timed step, the two sides never share a weight copy and take their steps in turn (same inputs); medians of
+``--repeat`` steps. Both sides' outputs
 are checked inside the benchmark against the float32 dequantize-then-multiply reference of the same weights.
 
 ``floor`` = weight bytes a step reads (dense and shared weights, the experts the routing used, block scales) /
@@ -52,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vllm_glm53.backends.cpu import fp8 as fp8_ops  # noqa: E402
 from vllm_glm53.backends.cpu import kernels  # noqa: E402
 from vllm_glm53.backends.cpu import moe  # noqa: E402
+from vllm_glm53.backends.cpu.linear import linear16, runs_on_linear16  # noqa: E402
 from vllm_glm53.quant.fp8_block import quantize_block_fp8  # noqa: E402
 
 BLOCK = (128, 128)
@@ -191,14 +194,15 @@ class Bf16Side:
                                 deq(f"{p}.shared_experts.down_proj")))
 
     def step(self, x, routing):
+        linear = linear16 if runs_on_linear16(torch.bfloat16) else F.linear
         for i, entry in enumerate(self.layers):
             if entry[0] == "dense":
-                x = x + F.linear(moe.clamped_swiglu(F.linear(x, entry[1]), LIMIT), entry[2])
+                x = x + linear(moe.clamped_swiglu(linear(x, entry[1]), LIMIT), entry[2])
                 continue
             _, w13, w2, gate_up, down = entry
             ids, weights = routing[i]
             routed = moe.routed_experts(x, w13, w2, ids, weights, LIMIT)
-            shared = F.linear(moe.clamped_swiglu(F.linear(x, gate_up), LIMIT), down)
+            shared = linear(moe.clamped_swiglu(linear(x, gate_up), LIMIT), down)
             x = x + (routed.to(x.dtype) + shared)
         return x
 
@@ -222,24 +226,28 @@ def make_routing(layers, experts, T, gen):
     return routing
 
 
-def median_step(side, dtype, T, layers, experts, repeat, seed, cached: bool = False) -> float:
-    """Median step time over fresh inputs and routings with the caches flushed before each step; ``cached``: the
-    same input and routing every step, no flush, so the used weights stay in the last-level cache where they fit
-    (the step's time without memory traffic: what the kernels' arithmetic and the per-op overheads cost)."""
+def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = False) -> list[float]:
+    """Median step time of each side over the same fresh inputs and routings, the caches flushed before each step
+    and the sides interleaved step by step (alternating which goes first), so that both see the same moments of a
+    host whose memory bandwidth drifts; ``cached``: the same input and routing every step, no flush, so the used
+    weights stay in the last-level cache where they fit (the step's time without memory traffic: what the
+    kernels' arithmetic and the per-op overheads cost)."""
     gen = torch.Generator().manual_seed(seed)
     inputs = [(torch.randn(T, HIDDEN, generator=gen).to(dtype), make_routing(layers, experts, T, gen))
               for _ in range(repeat + 1)]
     if cached:
         inputs = [inputs[0]] * (repeat + 1)
-    side.step(*inputs[0])
-    times = []
-    for x, routing in inputs[1:]:
-        if not cached:
-            flush_caches()
-        t0 = time.perf_counter()
-        side.step(x, routing)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    for side in sides:
+        side.step(*inputs[0])
+    times = [[] for _ in sides]
+    for i, (x, routing) in enumerate(inputs[1:]):
+        for s in (range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))):
+            if not cached:
+                flush_caches()
+            t0 = time.perf_counter()
+            sides[s].step(x, routing)
+            times[s].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def check(fp8: Fp8Side, bf16: Bf16Side, layers, experts, T) -> tuple[float, float]:
@@ -304,7 +312,8 @@ def main() -> None:
     bw = copy_bandwidth(args.repeat)
 
     print(f"# FP8-resident FFN decode step on CPU: {kernels.description()}; torch {torch.__version__}, "
-          f"{args.threads} threads; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
+          f"{args.threads} threads; copy bandwidth {bw / 1e9:.1f} GB/s (read + write); bf16 linears on "
+          f"{'linear16' if runs_on_linear16(torch.bfloat16) else 'torch F.linear'}")
     print(f"# {args.layers} layers (1 dense + {args.layers - 1} MoE), {args.experts} experts top-{TOPK} + 1 shared, "
           f"hidden {HIDDEN}, expert intermediate {MOE_INTER}; checkpoint {ckpt_bytes / 2**20:.1f} MiB; "
           f"RSS after load: fp8 {rss_fp8 / 2**20:.1f} MiB ({rss_fp8 / ckpt_bytes:.2f}x checkpoint), "
@@ -315,9 +324,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for T in args.batches:
         err_fp8, err_bf16 = check(fp8, bf16, args.layers, args.experts, T)
-        t_bf16 = median_step(bf16, torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T)
-        t_fp8 = median_step(fp8, torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T)
-        t_cached = median_step(fp8, torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T, cached=True)
+        t_bf16, t_fp8 = median_steps([bf16, fp8], torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T)
+        [t_cached] = median_steps([fp8], torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T,
+                                  cached=True)
         routing = make_routing(args.layers, args.experts, T, torch.Generator().manual_seed(T))
         b_fp8, b_bf16 = fp8.bytes_read(routing), bf16.bytes_read(routing)
         print(f"| {T} | {t_bf16 * 1e3:.2f} | {t_fp8 * 1e3:.2f} | {t_bf16 / t_fp8:.2f}x | {b_fp8 / 2**20:.1f} "

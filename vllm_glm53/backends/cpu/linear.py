@@ -25,7 +25,7 @@ from vllm_glm53 import _vllm
 from vllm_glm53.backends.cpu import kernels
 from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
 
-__all__ = ["linear16", "native_16bit", "take_16bit_gemms", "widens"]
+__all__ = ["linear16", "native_16bit", "runs_on_linear16", "take_16bit_gemms", "widens"]
 
 logger = logging.getLogger("vllm_glm53")
 
@@ -77,6 +77,12 @@ def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out if bias is None else out + bias
 
 
+def runs_on_linear16(dtype: torch.dtype) -> bool:
+    """Whether the plugin's model runs CPU GEMMs with ``dtype`` weights on :data:`linear16` here (see
+    :func:`take_16bit_gemms`)."""
+    return kernels.ops() is not None and kernels.isa() != "portable" and widens(dtype)
+
+
 def take_16bit_gemms(model: torch.nn.Module) -> int:
     """Run the CPU GEMMs of ``model`` whose weights are bfloat16 / float16 through :data:`linear16`, where the CPU
     has no native arithmetic for them and vectorized kernels (avx2 / avx512) are loaded; returns how many layers it
@@ -85,11 +91,9 @@ def take_16bit_gemms(model: torch.nn.Module) -> int:
     Not with the ``portable`` build: its SSE2 loops stream a 16-bit weight 3-5x slower than torch's bfloat16 GEMM
     at 1-16 tokens (forced on the AVX2 machine, where torch itself runs AVX2 code; a CPU without AVX2 was not
     measured), so only the layers' float32 GEMMs beyond that would gain."""
-    if kernels.ops() is None or kernels.isa() == "portable":
-        return 0
     taken = 0
     for layer in _vllm.cpu_gemm_layers(model):
-        if widens(layer.weight.dtype):
+        if runs_on_linear16(layer.weight.dtype):
             _vllm.set_cpu_gemm(layer, _cpu_linear)
             taken += 1
     if taken:
