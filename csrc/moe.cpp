@@ -1,28 +1,27 @@
-// Routed experts of an MoE block on CPU for decode-sized batches (the contract of
-// vllm_glm53/backends/cpu/moe.py, whose routed_experts_torch is the reference):
+// Routed experts of an MoE block on CPU (the contract of vllm_glm53/backends/cpu/moe.py, whose
+// routed_experts_torch is the reference):
 //
 //   out[t] = sum_j weights[t, j] * W2_e( silu(min(g, L)) * clamp(u, -L, L) ),  [g | u] = W13_e x[t],  e = ids[t, j]
 //
-// With a few tokens per expert every weight row is used by a handful of dot products, so the work is bound by
-// streaming the used experts' weights from memory once. The (token, choice) pairs are grouped by expert here,
-// then three steps, each one parallel region:
-//   1. tasks (expert, block of intermediate rows): each gate row and its up row are read once and dotted with
-//      every token routed to the expert (their float32 rows stay in cache), giving h [pairs, I] float32;
+// The (token, choice) pairs are grouped by expert here, then three steps, each one parallel region:
+//   1. tasks (expert, block of intermediate rows): each gate row and its up row are read once and multiplied with
+//      every token routed to the expert, giving h (float32);
 //   2. tasks (expert, block of hidden rows) of W2 the same way, giving one output row per pair, y [pairs, D];
 //   3. per token, its k pair outputs weighted and summed in choice order (deterministic, no atomics).
-// Experts that received no token are never touched. The dot products are gemv.h's (rows two at a time against
-// kTok tokens at a time); the next rows are prefetched meanwhile (the loads alone kept too few misses in flight:
-// ~1.4x the memory floor at 16 tokens without, ~1.2x with). With many tokens an expert's tokens go in chunks
-// whose rows fit in L2; there the float kernel is compute-bound and the Python side hands large batches to
-// torch's GEMMs.
+// Experts that received no token are never touched. How an expert's rows meet its tokens depends on their number:
+//   - fewer than kAcrossLanesMinTokens: gemv.h's dot products (rows two at a time against kTok tokens at a time,
+//     the token rows staying in cache; h [pairs, I]). With a few tokens the work is bound by streaming the used
+//     experts' weights once; the next rows are prefetched meanwhile (the loads alone kept too few misses in
+//     flight: ~1.4x the memory floor at 16 tokens without, ~1.2x with);
+//   - from there the tile path (gemv.h's row_tile_by_tokens, as linear.cpp's): the expert's tokens across the
+//     vector lanes, a few rows at a time widened into an L1-resident float32 buffer and broadcast against them,
+//     no horizontal sums; step 1 writes h in that layout for step 2.
 //
-// moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes: per expert the direct path
-// (at most kDirectMaxTokens tokens: tokens pre-multiplied by the row block's scales, E4M3 rows converted as they
-// stream), up to kAcrossLanesMinTokens each row dequantized into L1 and dotted with kTok tokens at a time, from
-// there the tile path (gemv.h's row_tile_by_tokens, as linear.cpp's: the expert's tokens across the vector
-// lanes, a few rows at a time dequantized into an L1-resident buffer and broadcast against them; step 1 writes h
-// in that layout for step 2). It serves every batch size, prefill included: there is no dequantized copy for
-// torch's GEMMs to use.
+// moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes. Below kAcrossLanesMinTokens
+// it has two forms: at most kDirectMaxTokens tokens, the direct path (tokens pre-multiplied by the row block's
+// scales, E4M3 rows converted as they stream); more, each row dequantized into L1 and dotted with kTok tokens at a
+// time. The tile path dequantizes its rows. It serves every batch size, prefill included: there is no
+// dequantized copy for torch's GEMMs to use.
 
 #include <vector>
 
@@ -114,6 +113,91 @@ at::Tensor combine_pairs(const Routing& g, const at::Tensor& y) {
   return out;
 }
 
+// The experts that take the tile path (at least kAcrossLanesMinTokens tokens) and their tokens across the lanes
+// (gemv.h): x for step 1, and h, which step 1 writes in that layout for step 2. Expert e's token groups are
+// [group0[e], group0[e + 1]).
+struct AcrossLanes {
+  std::vector<int64_t> group0;
+  std::vector<float> xt, ht;
+  const float* x_of(int64_t e, int64_t D) const { return xt.data() + group0[e] * D * kLanes; }
+  float* h_of(int64_t e, int64_t I) { return ht.data() + group0[e] * I * kLanes; }
+  int64_t groups(int64_t e) const { return group0[e + 1] - group0[e]; }
+};
+
+AcrossLanes tile_tokens(const Routing& g, int64_t I) {
+  AcrossLanes a;
+  a.group0.assign(g.E + 1, 0);
+  for (int64_t e = 0; e < g.E; ++e)
+    a.group0[e + 1] = a.group0[e] + (g.count[e] >= kAcrossLanesMinTokens ? ceil_div(g.count[e], kLanes) : 0);
+  a.xt.resize(a.group0[g.E] * g.D * kLanes), a.ht.resize(a.group0[g.E] * I * kLanes);
+  const float* xp = g.x.data_ptr<float>();
+  at::parallel_for(0, g.E, 1, [&](int64_t e, int64_t end) {
+    for (; e < end; ++e)
+      if (a.groups(e) > 0)
+        tokens_across_lanes([&](int64_t j) { return xp + g.token_at[g.start[e] + j] * g.D; }, g.count[e], g.D,
+                            a.xt.data() + a.group0[e] * g.D * kLanes);
+  });
+  return a;
+}
+
+// Step 1 on the tile path, rows [row0, last) of one expert: gate_rows gate rows and the same up rows at a time
+// (row(up, r): the row's bytes, ``elem`` a value; widen(up, r, k0, n, out): its columns [k0, k0 + n) as float32)
+// against the expert's ``groups`` token groups xe, kTilePassGroups per pass, h into he across the lanes (the lanes
+// past the last token get clamped_swiglu(0, 0) = 0). tile: kRowTile x chunk floats, acc: kTilePassGroups x
+// kRowTile x kLanes.
+template <typename Row, typename Widen>
+void swiglu_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const Widen& widen, const float* xe,
+                 int64_t groups, int64_t D, int64_t I, int64_t chunk, float limit, float* he, float* tile, float* acc) {
+  constexpr int gate_rows = std::max(1, kRowTile / 2);
+  for (int64_t p0 = 0; p0 < groups; p0 += kTilePassGroups) {
+    const int64_t pg = std::min(kTilePassGroups, groups - p0);
+    for (int64_t r0 = row0; r0 < last; r0 += gate_rows) {
+      const int nh = static_cast<int>(std::min<int64_t>(gate_rows, last - r0));
+      const int nn = static_cast<int>(std::clamp<int64_t>(last - r0 - gate_rows, 0, gate_rows));
+      const char* here[kRowTile];
+      const char* next[kRowTile];
+      for (int i = 0; i < nh; ++i) here[i] = row(false, r0 + i), here[nh + i] = row(true, r0 + i);
+      for (int i = 0; i < nn; ++i) next[i] = row(false, r0 + gate_rows + i), next[nn + i] = row(true, r0 + gate_rows + i);
+      row_tile_by_tokens(
+          2 * nh, [&](int i, int64_t k0, int64_t n, float* out) { widen(i >= nh, r0 + i % nh, k0, n, out); }, here,
+          next, 2 * nn, elem, xe + p0 * D * kLanes, pg, D, chunk, tile, acc);
+      for (int64_t q = 0; q < pg; ++q)
+        for (int i = 0; i < nh; ++i) {
+          const float* ag = acc + (q * kRowTile + i) * kLanes;
+          float* dst = he + ((p0 + q) * I + r0 + i) * kLanes;
+          for (int l = 0; l < kLanes; ++l) dst[l] = clamped_swiglu(ag[l], ag[nh * kLanes + l], limit);
+        }
+    }
+  }
+}
+
+// Step 2 on the tile path, rows [row0, last) of one expert's W2 (row(r), widen(r, k0, n, out) as above): kRowTile
+// rows at a time against its h groups he (``tokens`` tokens), into y's rows ye[j * D + r].
+template <typename Row, typename Widen>
+void down_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const Widen& widen, const float* he,
+               int64_t tokens, int64_t I, int64_t D, int64_t chunk, float* ye, float* tile, float* acc) {
+  const int64_t groups = ceil_div(tokens, kLanes);
+  for (int64_t p0 = 0; p0 < groups; p0 += kTilePassGroups) {
+    const int64_t pg = std::min(kTilePassGroups, groups - p0);
+    for (int64_t r0 = row0; r0 < last; r0 += kRowTile) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRowTile, last - r0));
+      const int nn = static_cast<int>(std::clamp<int64_t>(last - r0 - kRowTile, 0, kRowTile));
+      const char* here[kRowTile];
+      const char* next[kRowTile];
+      for (int i = 0; i < nr; ++i) here[i] = row(r0 + i);
+      for (int i = 0; i < nn; ++i) next[i] = row(r0 + kRowTile + i);
+      row_tile_by_tokens(
+          nr, [&](int i, int64_t k0, int64_t n, float* out) { widen(r0 + i, k0, n, out); }, here, next, nn, elem,
+          he + p0 * I * kLanes, pg, I, chunk, tile, acc);
+      for (int64_t q = 0; q < pg; ++q) {
+        const int64_t j0 = (p0 + q) * kLanes, n = std::min<int64_t>(kLanes, tokens - j0);
+        for (int64_t l = 0; l < n; ++l)
+          for (int i = 0; i < nr; ++i) ye[(j0 + l) * D + r0 + i] = acc[(q * kRowTile + i) * kLanes + l];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // x [T, D] (float32 / bf16 / fp16), w13 [E, 2I, D] (rows: I gate, then I up), w2 [E, D, I] (w13's dtype, any
@@ -131,6 +215,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
   const float* xp = g.x.data_ptr<float>();
   const int64_t x_chunk = token_chunk(D), h_chunk = token_chunk(I);
   float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
+  AcrossLanes lanes = tile_tokens(g, I);
 
   GLM53_DISPATCH_FLOAT_TYPES(w13.scalar_type(), "moe_experts weights", [&] {
     const scalar_t* w13p = w13.data_ptr<scalar_t>();
@@ -142,9 +227,21 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
     at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
       float acc[2][kTok];
       const float* xs[kTok];
+      std::vector<float> tile, tile_acc;
       for (; b < end; ++b) {
         const Task& task = up_tasks[b];
         const scalar_t* we = w13p + task.expert * s13e;
+        if (lanes.groups(task.expert) > 0) {
+          tile.resize(kRowTile * kColumnChunk), tile_acc.resize(kTilePassGroups * kRowTile * kLanes);
+          const auto row = [&](bool up, int64_t r) { return we + ((up ? I : 0) + r) * s13r; };
+          swiglu_tile(
+              task.row0, task.row0 + task.rows,
+              [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); }, sizeof(scalar_t),
+              [&](bool up, int64_t r, int64_t k0, int64_t n, float* out) { to_float(row(up, r) + k0, out, n); },
+              lanes.x_of(task.expert, D), lanes.groups(task.expert), D, I, kColumnChunk, limit,
+              lanes.h_of(task.expert, I), tile.data(), tile_acc.data());
+          continue;
+        }
         for (int64_t c0 = start[task.expert]; c0 < start[task.expert + 1]; c0 += x_chunk) {
           const int64_t c1 = std::min(c0 + x_chunk, start[task.expert + 1]);
           for (int64_t r = task.row0; r < task.row0 + task.rows; ++r) {
@@ -167,9 +264,21 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
     at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
       float acc[2][kTok];
       const float* hs[kTok];
+      std::vector<float> tile, tile_acc;
       for (; b < end; ++b) {
         const Task& task = down_tasks[b];
         const scalar_t* we = w2p + task.expert * s2e;
+        if (lanes.groups(task.expert) > 0) {
+          tile.resize(kRowTile * kColumnChunk), tile_acc.resize(kTilePassGroups * kRowTile * kLanes);
+          const int64_t c0 = start[task.expert];
+          down_tile(
+              task.row0, task.row0 + task.rows,
+              [&](int64_t r) { return reinterpret_cast<const char*>(we + r * s2r); }, sizeof(scalar_t),
+              [&](int64_t r, int64_t k0, int64_t n, float* out) { to_float(we + r * s2r + k0, out, n); },
+              lanes.h_of(task.expert, I), start[task.expert + 1] - c0, I, D, kColumnChunk, yp + c0 * D, tile.data(),
+              tile_acc.data());
+          continue;
+        }
         for (int64_t c0 = start[task.expert]; c0 < start[task.expert + 1]; c0 += h_chunk) {
           const int64_t c1 = std::min(c0 + h_chunk, start[task.expert + 1]);
           for (int64_t r = task.row0; r < task.row0 + task.rows; r += 2) {
@@ -229,28 +338,15 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   const float *s13p = w13_scale.data_ptr<float>(), *s2p = w2_scale.data_ptr<float>();
   const int64_t s13e = w13.stride(0), s13r = w13.stride(1), s2e = w2.stride(0), s2r = w2.stride(1);
 
-  // Experts with at least kAcrossLanesMinTokens tokens: their tokens across the lanes (gemv.h), x for step 1,
-  // and h, which step 1 writes in that layout for step 2. group0[e]: the expert's first token group.
-  std::vector<int64_t> group0(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e)
-    group0[e + 1] = group0[e] + (count[e] >= kAcrossLanesMinTokens ? ceil_div(count[e], kLanes) : 0);
-  const int64_t groups_total = group0[E];
-  std::vector<float> xt(groups_total * D * kLanes), ht(groups_total * I * kLanes);
-  at::parallel_for(0, E, 1, [&](int64_t e, int64_t end) {
-    for (; e < end; ++e)
-      if (group0[e + 1] > group0[e])
-        tokens_across_lanes([&](int64_t j) { return xp + token_at[start[e] + j] * D; }, count[e], D,
-                            xt.data() + group0[e] * D * kLanes);
-  });
-  const int64_t x_chunk = ceil_div(kColumnChunk, block_k) * block_k;  // tile columns: whole scale blocks
-  const int64_t gate_rows = std::max(1, kRowTile / 2);                 // a tile's gate rows, then as many up rows
+  AcrossLanes lanes = tile_tokens(g, I);
+  const int64_t chunk = ceil_div(kColumnChunk, block_k) * block_k;  // tile columns: whole scale blocks
 
   // 1. h = clamped_swiglu(W13_e x): a task's rows lie in one gate row block and the same up row block.
   const std::vector<Task> up_tasks = expert_tasks(count, I);
   at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
     // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row
     std::vector<float> buf(2 * kDirectMaxTokens * D);
-    std::vector<float> tile(kRowTile * x_chunk), acc(kTilePassGroups * kRowTile * kLanes);
+    std::vector<float> tile(kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
     float acc_gate[2][kDirectMaxTokens], acc_up[2][kDirectMaxTokens];
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
     for (; b < end; ++b) {
@@ -305,52 +401,22 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         }
         continue;
       }
-      // tile: gate_rows gate rows and the same up rows at a time (dequantized by column chunks) against the
-      // expert's token groups, kTilePassGroups groups per pass; h goes into ht across the lanes (the lanes past
-      // the last token get clamped_swiglu(0, 0) = 0)
-      const float* xe = xt.data() + group0[e] * D * kLanes;
-      float* he = ht.data() + group0[e] * I * kLanes;
-      const int64_t groups = group0[e + 1] - group0[e];
-      for (int64_t p0 = 0; p0 < groups; p0 += kTilePassGroups) {
-        const int64_t pg = std::min(kTilePassGroups, groups - p0);
-        for (int64_t r0 = task.row0; r0 < last; r0 += gate_rows) {
-          const int nh = static_cast<int>(std::min<int64_t>(gate_rows, last - r0));
-          const int nn = static_cast<int>(std::clamp<int64_t>(last - r0 - gate_rows, 0, gate_rows));
-          const char* here[kRowTile];
-          const char* next[kRowTile];
-          for (int i = 0; i < nh; ++i) {
-            here[i] = reinterpret_cast<const char*>(we + (r0 + i) * s13r);
-            here[nh + i] = reinterpret_cast<const char*>(we + (I + r0 + i) * s13r);
-          }
-          for (int i = 0; i < nn; ++i) {
-            next[i] = reinterpret_cast<const char*>(we + (r0 + gate_rows + i) * s13r);
-            next[nn + i] = reinterpret_cast<const char*>(we + (I + r0 + gate_rows + i) * s13r);
-          }
-          row_tile_by_tokens(
-              2 * nh,
-              [&](int i, int64_t k0, int64_t n, float* out) {
-                const bool gate = i < nh;
-                dequantize_row(reinterpret_cast<const E4m3*>(here[i]) + k0, (gate ? gate_scale : up_scale) + k0 / block_k,
-                               n, block_k, out);
-              },
-              here, next, 2 * nn, 1, xe + p0 * D * kLanes, pg, D, x_chunk, tile.data(), acc.data());
-          for (int64_t q = 0; q < pg; ++q)
-            for (int i = 0; i < nh; ++i) {
-              const float* ag = acc.data() + (q * kRowTile + i) * kLanes;
-              float* dst = he + ((p0 + q) * I + r0 + i) * kLanes;
-              for (int l = 0; l < kLanes; ++l) dst[l] = clamped_swiglu(ag[l], ag[nh * kLanes + l], limit);
-            }
-        }
-      }
+      swiglu_tile(
+          task.row0, last,
+          [&](bool up, int64_t r) { return reinterpret_cast<const char*>(we + ((up ? I : 0) + r) * s13r); }, 1,
+          [&](bool up, int64_t r, int64_t k0, int64_t n, float* out) {
+            dequantize_row(we + ((up ? I : 0) + r) * s13r + k0, (up ? up_scale : gate_scale) + k0 / block_k, n,
+                           block_k, out);
+          },
+          lanes.x_of(e, D), lanes.groups(e), D, I, chunk, limit, lanes.h_of(e, I), tile.data(), acc.data());
     }
   });
 
   // 2. y = W2_e h: a task's rows lie in one row block of W2.
   const std::vector<Task> down_tasks = expert_tasks(count, D);
-  const int64_t h_chunk = ceil_div(kColumnChunk, block_k) * block_k;
   at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
     std::vector<float> buf(std::max(kDirectMaxTokens, int64_t{2}) * I);  // direct: scaled h rows; few: two W2 rows
-    std::vector<float> tile(kRowTile * h_chunk), acc(kTilePassGroups * kRowTile * kLanes);
+    std::vector<float> tile(kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
     float acc_direct[2][kDirectMaxTokens];
     const float* hs[kDirectMaxTokens];
     int64_t scaled_for = -1;
@@ -396,31 +462,12 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         }
         continue;
       }
-      // tile: kRowTile rows of W2 at a time against the expert's h groups (ht, from step 1)
-      const float* he = ht.data() + group0[e] * I * kLanes;
-      const int64_t groups = group0[e + 1] - group0[e];
-      for (int64_t p0 = 0; p0 < groups; p0 += kTilePassGroups) {
-        const int64_t pg = std::min(kTilePassGroups, groups - p0);
-        for (int64_t r0 = task.row0; r0 < last; r0 += kRowTile) {
-          const int nr = static_cast<int>(std::min<int64_t>(kRowTile, last - r0));
-          const int nn = static_cast<int>(std::clamp<int64_t>(last - r0 - kRowTile, 0, kRowTile));
-          const char* here[kRowTile];
-          const char* next[kRowTile];
-          for (int i = 0; i < nr; ++i) here[i] = reinterpret_cast<const char*>(we + (r0 + i) * s2r);
-          for (int i = 0; i < nn; ++i) next[i] = reinterpret_cast<const char*>(we + (r0 + kRowTile + i) * s2r);
-          row_tile_by_tokens(
-              nr,
-              [&](int i, int64_t k0, int64_t n, float* out) {
-                dequantize_row(we + (r0 + i) * s2r + k0, scale + k0 / block_k, n, block_k, out);
-              },
-              here, next, nn, 1, he + p0 * I * kLanes, pg, I, h_chunk, tile.data(), acc.data());
-          for (int64_t q = 0; q < pg; ++q) {
-            const int64_t j0 = (p0 + q) * kLanes, tokens = std::min<int64_t>(kLanes, c1 - c0 - j0);
-            for (int64_t l = 0; l < tokens; ++l)
-              for (int i = 0; i < nr; ++i) yp[(c0 + j0 + l) * D + r0 + i] = acc[(q * kRowTile + i) * kLanes + l];
-          }
-        }
-      }
+      down_tile(
+          task.row0, last, [&](int64_t r) { return reinterpret_cast<const char*>(we + r * s2r); }, 1,
+          [&](int64_t r, int64_t k0, int64_t n, float* out) {
+            dequantize_row(we + r * s2r + k0, scale + k0 / block_k, n, block_k, out);
+          },
+          lanes.h_of(e, I), c1 - c0, I, D, chunk, yp + c0 * D, tile.data(), acc.data());
     }
   });
   return combine_pairs(g, y);

@@ -30,20 +30,23 @@ WIDENED_MIN_PAIRS = 64
 def kernel_max_pairs(dtype: torch.dtype) -> int | None:
     """Mean (token, choice) pairs per expert up to which the kernel takes weights of ``dtype`` (None: always).
 
-    Measured on 2 threads: in float32 the kernel runs at about the FMA rate of torch's GEMMs and is ahead up to
-    ~256 pairs per expert (E = 8, D = 512, I = 256, k = 2, cold weights). torch's bfloat16 GEMMs use the CPU's
-    bf16 dot products where it has them and overtake the kernel from ~32 pairs (AVX-512 machine with
-    AVX512_BF16). Without native 16-bit arithmetic (every AVX2-only CPU) torch's 16-bit GEMMs convert inside and
-    stay slower than the kernel at any batch; there the per-expert products of :func:`routed_experts_widened`
-    (``linear16``: the weights widened panel by panel for torch's float32 GEMM) take over above
-    ``WIDENED_MIN_PAIRS``: on 2 threads of an AMD EPYC (AVX2), bfloat16, D = 512, I = 256, E = 8 (k = 2) and
-    E = 64 (k = 8), the two were even at 64-96 pairs per expert, the loop 2.2x / 1.5x slower at 8 / 32 and
-    1.5-2x faster at 256-512."""
+    Measured on 2 threads of an AMD EPYC (AVX2), E = 8, k = 2, caches flushed, since experts with 9 or more tokens
+    take the kernel's tile path (csrc/moe.cpp): in float32 the kernel is ahead of the torch loop up to 256 pairs
+    per expert at the released sizes (D = 4096, I = 2048: 885 vs 989 ms at 256, 236 vs 394 at 64) and even with
+    it at 256-512 at D = 512, I = 256. torch's bfloat16 GEMMs use the CPU's bf16 dot products where it has them and
+    overtook the kernel's earlier form from ~32 pairs (AVX-512 machine with AVX512_BF16; not re-measured).
+    Without native 16-bit arithmetic (every AVX2-only CPU) torch's 16-bit GEMMs convert inside and stay slower
+    than the kernel at any batch; the per-expert products of :func:`routed_experts_widened` (``linear16``) take
+    over above ``WIDENED_MIN_PAIRS``: bfloat16 at the released sizes, the two were even from 32 to 256 pairs
+    (277 vs 280 ms at 64, 799 vs 750 at 256), the kernel 1.1x faster at 16; at D = 512 the kernel was 1.1-2.6x
+    faster from 16 to 512."""
     if widens(dtype):
         return WIDENED_MIN_PAIRS
     if dtype == torch.bfloat16:
         return 16
-    return 128 if dtype in (torch.float32, torch.float16) else None
+    if dtype == torch.float32:
+        return 256
+    return 128 if dtype == torch.float16 else None
 
 
 routed_experts = Op("routed_experts")
