@@ -157,7 +157,8 @@ void swiglu_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const
       const char* here[kRowTile];
       const char* next[kRowTile];
       for (int i = 0; i < nh; ++i) here[i] = row(false, r0 + i), here[nh + i] = row(true, r0 + i);
-      for (int i = 0; i < nn; ++i) next[i] = row(false, r0 + gate_rows + i), next[nn + i] = row(true, r0 + gate_rows + i);
+      for (int i = 0; i < nn; ++i)
+        next[i] = row(false, r0 + gate_rows + i), next[nn + i] = row(true, r0 + gate_rows + i);
       row_tile_by_tokens(
           2 * nh, [&](int i, int64_t k0, int64_t n, float* out) { widen(i >= nh, r0 + i % nh, k0, n, out); }, here,
           next, 2 * nn, elem, xe + p0 * D * kLanes, pg, D, chunk, tile, acc);
