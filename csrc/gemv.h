@@ -117,9 +117,10 @@ constexpr int kRowTile = std::min<int>(kRowsPerTask, kVectorRegs - 2);  // accum
 constexpr int64_t kColumnChunk = 256;  // columns widened per step: kRowTile rows of them stay in L1
 // Tokens from which moe.cpp's experts put them across the lanes. With fewer, most lanes of the one token group
 // would multiply zeros: there each row, dequantized into L1, is dotted with kTok tokens at a time (dot_tokens).
-// One FP8 expert of GLM-5.3-Flash's size, AVX2, 2 threads: the lanes took 11.4 ms for 5 to 16 tokens, the dot
-// products 8.2 (5 tokens), 11.3 (8), 13.3 (10), 19.6 (16).
-constexpr int64_t kAcrossLanesMinTokens = 9;
+// One FP8 expert of GLM-5.3-Flash's size, AVX2, 2 threads, two runs: one token group across the lanes 7.0-7.2 ms
+// (9 and 12 tokens; the same for any count up to 16), the dot products 5.8-6.0 (5 tokens), 6.6-7.0 (6), 7.4-7.8
+// (7), 8.3-8.5 (8).
+constexpr int64_t kAcrossLanesMinTokens = 7;
 // Token groups per pass over a block of rows (moe.cpp, which may give one expert a whole prefill's tokens): each
 // row tile reads the pass's token groups once, 4 MiB at K = 4,096 for 16 groups (256 tokens, where linear.cpp's
 // tile path ends), which stays in the last-level cache; each pass widens the rows again (one conversion per

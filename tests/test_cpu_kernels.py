@@ -547,8 +547,8 @@ def _moe_inputs(T, k, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [1, 2])
-# The hot expert gets about 3/4 of the tokens: T = 5, 16 dot products and one token group across the lanes; 33 two
-# groups; 400 (k = 2: about 350 tokens) two passes of token groups.
+# The hot expert gets about 3/4 of the tokens: T = 5, 16 (k = 2): 5 tokens on dot products, 8-16 one token group
+# across the lanes; 33 two groups; 400 (k = 2: 355 tokens) two passes of token groups.
 @pytest.mark.parametrize("T", [1, 5, 16, 33, 400])
 def test_moe_experts_match_torch(T, k, dtype):
     """The kernel accumulates in float32 from the stored values, so it is compared with the torch loop on the

@@ -30,8 +30,8 @@ WIDENED_MIN_PAIRS = 64
 def kernel_max_pairs(dtype: torch.dtype) -> int | None:
     """Mean (token, choice) pairs per expert up to which the kernel takes weights of ``dtype`` (None: always).
 
-    Measured on 2 threads of an AMD EPYC (AVX2), E = 8, k = 2, caches flushed, since experts with 9 or more tokens
-    take the kernel's tile path (csrc/moe.cpp): in float32 the kernel is ahead of the torch loop up to 256 pairs
+    Measured on 2 threads of an AMD EPYC (AVX2), E = 8, k = 2, caches flushed, with experts of 9 or more tokens on
+    the kernel's tile path (csrc/moe.cpp; 7 since): in float32 the kernel is ahead of the torch loop up to 256 pairs
     per expert at the released sizes (D = 4096, I = 2048: 885 vs 989 ms at 256, 236 vs 394 at 64) and even with
     it at 256-512 at D = 512, I = 256. torch's bfloat16 GEMMs use the CPU's bf16 dot products where it has them and
     overtook the kernel's earlier form from ~32 pairs (AVX-512 machine with AVX512_BF16; not re-measured).
