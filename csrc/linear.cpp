@@ -123,8 +123,9 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
     scalar_t* op = out.data_ptr<scalar_t>();
     if (M > kDirectMaxTokens) {
       const int64_t groups = ceil_div(M, kLanes);
-      std::vector<float> xt(groups * K * kLanes);
-      tokens_across_lanes([&](int64_t j) { return xp + j * K; }, M, K, xt.data());
+      const at::Tensor xt_buf = at::empty({groups * K * kLanes}, x.options());  // every value written below
+      float* xt = xt_buf.data_ptr<float>();
+      tokens_across_lanes([&](int64_t j) { return xp + j * K; }, M, K, xt);
       const int64_t chunk = ceil_div(kColumnChunk, rows.column_block()) * rows.column_block();
       at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
         std::vector<float> tile(kRowTile * chunk);
@@ -142,7 +143,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
             for (int i = 0; i < nn; ++i) next[i] = reinterpret_cast<const char*>(rows.row(r0 + kRowTile + i));
             row_tile_by_tokens(
                 nr, [&](int i, int64_t k0, int64_t n, float* out) { rows.widen(task, r0 + i, k0, n, out); }, here,
-                next, nn, sizeof(W), xt.data(), groups, K, chunk, tile.data(), acc.data());
+                next, nn, sizeof(W), xt, groups, K, chunk, tile.data(), acc.data());
             for (int64_t j = 0; j < M; ++j)
               for (int i = 0; i < nr; ++i)
                 op[j * N + r0 + i] = static_cast<scalar_t>(acc[((j / kLanes) * kRowTile + i) * kLanes + j % kLanes]);

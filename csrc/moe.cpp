@@ -116,11 +116,13 @@ at::Tensor combine_pairs(const Routing& g, const at::Tensor& y) {
 // The experts that take the tile path (at least kAcrossLanesMinTokens tokens) and their tokens across the lanes
 // (gemv.h): x for step 1, and h, which step 1 writes in that layout for step 2. Expert e's token groups are
 // [group0[e], group0[e + 1]).
+// Both buffers are left uninitialized: tokens_across_lanes writes every value of xt (zeros past the last token)
+// and step 1 every value of ht (a prefill's buffers are hundreds of MB, zeroing them first was a second pass).
 struct AcrossLanes {
   std::vector<int64_t> group0;
-  std::vector<float> xt, ht;
-  const float* x_of(int64_t e, int64_t D) const { return xt.data() + group0[e] * D * kLanes; }
-  float* h_of(int64_t e, int64_t I) { return ht.data() + group0[e] * I * kLanes; }
+  at::Tensor xt, ht;
+  const float* x_of(int64_t e, int64_t D) const { return xt.data_ptr<float>() + group0[e] * D * kLanes; }
+  float* h_of(int64_t e, int64_t I) { return ht.data_ptr<float>() + group0[e] * I * kLanes; }
   int64_t groups(int64_t e) const { return group0[e + 1] - group0[e]; }
 };
 
@@ -129,13 +131,14 @@ AcrossLanes tile_tokens(const Routing& g, int64_t I) {
   a.group0.assign(g.E + 1, 0);
   for (int64_t e = 0; e < g.E; ++e)
     a.group0[e + 1] = a.group0[e] + (g.count[e] >= kAcrossLanesMinTokens ? ceil_div(g.count[e], kLanes) : 0);
-  a.xt.resize(a.group0[g.E] * g.D * kLanes), a.ht.resize(a.group0[g.E] * I * kLanes);
+  a.xt = at::empty({a.group0[g.E] * g.D * kLanes}, g.x.options());
+  a.ht = at::empty({a.group0[g.E] * I * kLanes}, g.x.options());
   const float* xp = g.x.data_ptr<float>();
   at::parallel_for(0, g.E, 1, [&](int64_t e, int64_t end) {
     for (; e < end; ++e)
       if (a.groups(e) > 0)
         tokens_across_lanes([&](int64_t j) { return xp + g.token_at[g.start[e] + j] * g.D; }, g.count[e], g.D,
-                            a.xt.data() + a.group0[e] * g.D * kLanes);
+                            a.xt.data_ptr<float>() + a.group0[e] * g.D * kLanes);
   });
   return a;
 }
