@@ -109,7 +109,8 @@ def test_the_op_takes_the_kernel_and_keeps_the_torch_reference():
 
 def _loaded_layers(dtype: torch.dtype):
     """A replicated linear with a bias and a column-parallel one without, loaded and post-processed as vLLM's
-    loader does (its CPU dispatch sets each layer's ``cpu_linear``)."""
+    loader does (its CPU dispatch sets each layer's ``cpu_linear``) on a CPU without native 16-bit arithmetic, the
+    case :func:`take_16bit_gemms` is for (on a CPU with AVX512_BF16 vLLM would pack a bfloat16 weight for oneDNN)."""
     gen = _gen(21)
     model = torch.nn.Module()
     model.a = _vllm.ReplicatedLinear(96, 40, bias=True, params_dtype=dtype, prefix="a")
@@ -117,7 +118,8 @@ def _loaded_layers(dtype: torch.dtype):
     for layer in (model.a, model.b):
         layer.weight.weight_loader(layer.weight, _weight(*layer.weight.shape, dtype, gen))
     model.a.bias.weight_loader(model.a.bias, torch.randn(40, generator=gen).to(dtype))
-    testing.finish_loading(model)
+    with _vllm.cpu_gemm_dispatch_without_native_16bit():
+        testing.finish_loading(model)
     return model
 
 

@@ -107,6 +107,7 @@ Each entry: why, how, and the upstream change that would retire it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 
@@ -896,6 +897,30 @@ def cpu_gemm_layers(model):
 def set_cpu_gemm(layer, fn) -> None:
     """Make ``fn(x, weight, bias)`` the CPU GEMM vLLM calls for ``layer`` (ledger 11)."""
     layer.cpu_linear = fn
+
+
+@contextlib.contextmanager
+def cpu_gemm_dispatch_without_native_16bit():
+    """Tests: vLLM's CPU GEMM dispatch as it runs on a CPU without native bfloat16 / float16 arithmetic, on any CPU
+    (ledger 11). There oneDNN refuses a 16-bit GEMM, so vLLM falls back to torch's ``F.linear`` and keeps the weight;
+    on a CPU with AVX512_BF16 / AMX it would pack the weight for oneDNN (or the AMX kernel) instead."""
+    import torch
+    from vllm import _custom_ops
+    from vllm.model_executor.layers import utils
+
+    create, sgl = _custom_ops.create_onednn_mm, utils.check_cpu_sgl_kernel
+
+    def create_refusing_16bit(weight, *args, **kwargs):
+        if weight.dtype in (torch.bfloat16, torch.float16):
+            raise RuntimeError("oneDNN: no native 16-bit GEMM on this CPU (emulated)")
+        return create(weight, *args, **kwargs)
+
+    _custom_ops.create_onednn_mm = create_refusing_16bit
+    utils.check_cpu_sgl_kernel = lambda n, k, dtype: False
+    try:
+        yield
+    finally:
+        _custom_ops.create_onednn_mm, utils.check_cpu_sgl_kernel = create, sgl
 
 
 def is_cpu_platform() -> bool:
