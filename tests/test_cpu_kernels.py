@@ -598,7 +598,7 @@ def test_routed_experts_match_transformers_experts(T):
 
 def test_large_16bit_batches_leave_the_kernel_for_per_expert_gemms(monkeypatch):
     """Above a batch threshold per expert, GEMMs beat the kernel: torch's where the CPU multiplies bfloat16 natively
-    (from 16 pairs per expert), the loop over ``linear16`` where it does not (from WIDENED_MIN_PAIRS; torch's
+    (above 6 pairs per expert), the loop over ``linear16`` where it does not (from WIDENED_MIN_PAIRS; torch's
     16-bit GEMMs convert inside there and never win). float32 does not depend on it."""
     bf16 = _moe_inputs(1100, 2, torch.bfloat16, seed=54)  # 275 pairs per expert
     f32 = _moe_inputs(1100, 2, torch.float32, seed=54)

@@ -33,8 +33,11 @@ def kernel_max_pairs(dtype: torch.dtype) -> int | None:
     Measured on 2 threads of an AMD EPYC (AVX2), E = 8, k = 2, caches flushed, with experts of 9 or more tokens on
     the kernel's tile path (csrc/moe.cpp; 7 since): in float32 the kernel is ahead of the torch loop up to 256 pairs
     per expert at the released sizes (D = 4096, I = 2048: 885 vs 989 ms at 256, 236 vs 394 at 64) and even with
-    it at 256-512 at D = 512, I = 256. torch's bfloat16 GEMMs use the CPU's bf16 dot products where it has them and
-    overtook the kernel's earlier form from ~32 pairs (AVX-512 machine with AVX512_BF16; not re-measured).
+    it at 256-512 at D = 512, I = 256 (on an AMD EPYC Zen 5 with AVX-512, the avx512 kernel at the released sizes:
+    0.43x the torch loop's time at 16 pairs, 0.78x at 64, 0.82x at 256, 0.87x at 512). Where the CPU has AVX512_BF16,
+    torch's bfloat16 GEMMs run on its bf16 dot products and the kernel (which widens to float32) is ahead only of
+    very small batches (same Zen 5, released sizes: 0.58x the loop's time at 2 pairs, 0.72x at 4, 0.95x at 5, 1.00x
+    at 6, 1.19x at 8, 1.41x at 16, 2.3-2.4x from 64).
     Without native 16-bit arithmetic (every AVX2-only CPU) torch's 16-bit GEMMs convert inside and stay slower
     than the kernel at any batch; the per-expert products of :func:`routed_experts_widened` (``linear16``) take
     over above ``WIDENED_MIN_PAIRS``: bfloat16 at the released sizes, the two were even from 32 to 256 pairs
@@ -43,7 +46,7 @@ def kernel_max_pairs(dtype: torch.dtype) -> int | None:
     if widens(dtype):
         return WIDENED_MIN_PAIRS
     if dtype == torch.bfloat16:
-        return 16
+        return 6
     if dtype == torch.float32:
         return 256
     return 128 if dtype == torch.float16 else None
