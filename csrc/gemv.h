@@ -214,7 +214,10 @@ inline void scale_by_blocks(const float* x, const float* scale_row, int64_t len,
 // value * 2^-8 (exact: a power of two, and every E4M3 value times 2^-8 is a normal float32), then multiplied by
 // scale * 2^8 (exact), so each product is float(w) * scale rounded once: the float32 values of the reference
 // dequantization (quant/fp8_block.py), bit for bit, with no overflow for any finite scale below 2^120.
-inline void dequantize_row(const E4m3* w, const float* scale_row, int64_t len, int64_t bk, float* out) {
+// With a 16-bit ``out`` each value is that float32 product rounded once (to nearest even), as torch's .to() rounds
+// the reference's float32 values.
+template <typename T>
+inline void dequantize_row(const E4m3* w, const float* scale_row, int64_t len, int64_t bk, T* out) {
   const F16 to_unit8 = set1(0x1p-8f / kE4m3Unit);
   for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
     const F16 s = set1(scale_row[kb] * 0x1p8f);

@@ -211,16 +211,20 @@ at::Tensor linear16(const at::Tensor& x_, const at::Tensor& weight_) {
 
 // x [M, K] float32 / bf16 / fp16, weight [N, K] float8_e4m3fn, scale [S, ceil(K / bk)] float32 (S: the last
 // part's first scale row plus its row blocks), parts: row counts summing to N -> out [M, N] in x's dtype.
-at::Tensor fp8_linear(const at::Tensor& x_, const at::Tensor& weight_, const at::Tensor& scale_,
-                      at::IntArrayRef parts_, int64_t block_n, int64_t block_k) {
-  const char* what = "fp8_linear";
-  check_linear_inputs(what, x_, weight_);
-  TORCH_CHECK(scale_.dim() == 2 && scale_.device().is_cpu(), what, ": scale must be a 2-D CPU tensor");
-  TORCH_CHECK(weight_.scalar_type() == at::kFloat8_e4m3fn, what, ": weight must be float8_e4m3fn");
-  TORCH_CHECK(scale_.scalar_type() == at::kFloat, what, ": scale must be float32");
+namespace {
+
+// A block-FP8 weight [N, K] fused from ``parts`` with its float32 block scales, as fp8_linear and fp8_dequantize
+// take it: checked, with the parts as a vector.
+std::vector<int64_t> check_fp8_weight(const char* what, const at::Tensor& weight, const at::Tensor& scale,
+                                      at::IntArrayRef parts_, int64_t block_n, int64_t block_k) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), what, ": weight must be a 2-D CPU tensor");
+  TORCH_CHECK(scale.dim() == 2 && scale.device().is_cpu(), what, ": scale must be a 2-D CPU tensor");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn, what, ": weight must be float8_e4m3fn");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat, what, ": scale must be float32");
   check_fp8_blocks(what, block_n, block_k);
-  const int64_t M = x_.size(0), K = x_.size(1), N = weight_.size(0), KB = ceil_div(K, block_k);
+  const int64_t N = weight.size(0), KB = ceil_div(weight.size(1), block_k);
   std::vector<int64_t> parts(parts_.begin(), parts_.end());
+  TORCH_CHECK(!parts.empty(), what, ": parts must name at least one part");
   int64_t total = 0;
   for (const int64_t n : parts) {
     TORCH_CHECK(n > 0, what, ": part sizes must be positive, got ", parts_);
@@ -228,8 +232,19 @@ at::Tensor fp8_linear(const at::Tensor& x_, const at::Tensor& weight_, const at:
   }
   TORCH_CHECK(total == N, what, ": parts ", parts_, " do not add up to the weight's ", N, " rows");
   const int64_t scale_rows = ceil_div(N - parts.back(), block_n) + ceil_div(parts.back(), block_n);
-  TORCH_CHECK(scale_.size(0) == scale_rows && scale_.size(1) == KB, what, ": scale must be [", scale_rows, ", ",
-              KB, "] for parts ", parts_, " and blocks [", block_n, ", ", block_k, "], got ", scale_.sizes());
+  TORCH_CHECK(scale.size(0) == scale_rows && scale.size(1) == KB, what, ": scale must be [", scale_rows, ", ",
+              KB, "] for parts ", parts_, " and blocks [", block_n, ", ", block_k, "], got ", scale.sizes());
+  return parts;
+}
+
+}  // namespace
+
+at::Tensor fp8_linear(const at::Tensor& x_, const at::Tensor& weight_, const at::Tensor& scale_,
+                      at::IntArrayRef parts_, int64_t block_n, int64_t block_k) {
+  const char* what = "fp8_linear";
+  check_linear_inputs(what, x_, weight_);
+  const std::vector<int64_t> parts = check_fp8_weight(what, weight_, scale_, parts_, block_n, block_k);
+  const int64_t M = x_.size(0), K = x_.size(1), N = weight_.size(0), KB = ceil_div(K, block_k);
   at::Tensor out = at::empty({M, N}, x_.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
@@ -239,6 +254,33 @@ at::Tensor fp8_linear(const at::Tensor& x_, const at::Tensor& weight_, const at:
   const RowsFp8 rows{reinterpret_cast<const E4m3*>(w.data_ptr()), w.stride(0), scale.data_ptr<float>(), KB, block_k};
   run_linear(x, row_tasks(parts, block_n), rows, out);
   return out;
+}
+
+// out [N, K] (bfloat16, float16 or float32) = the float values of a block-FP8 weight (as fp8_linear takes it): each
+// float(w) * scale formed in float32 and rounded once, the reference dequantization (quant/fp8_block.py) bit for
+// bit. fp8.py hands a bfloat16 copy of a weight with many tokens to the GEMMs of CPUs with native bfloat16
+// arithmetic, writing it into a buffer it keeps (a fresh one would cost more in page faults than the conversion).
+void fp8_dequantize(const at::Tensor& weight_, const at::Tensor& scale_, at::IntArrayRef parts_, int64_t block_n,
+                    int64_t block_k, at::Tensor& out) {
+  const char* what = "fp8_dequantize";
+  const std::vector<int64_t> parts = check_fp8_weight(what, weight_, scale_, parts_, block_n, block_k);
+  const int64_t N = weight_.size(0), K = weight_.size(1), KB = ceil_div(K, block_k);
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
+              what, ": out must be a contiguous CPU tensor [", N, ", ", K, "], got ", out.sizes());
+  if (N == 0 || K == 0) return;
+  const at::Tensor w = weight_.stride(1) == 1 ? weight_ : weight_.contiguous();
+  const at::Tensor scale = scale_.contiguous();
+  const E4m3* wp = reinterpret_cast<const E4m3*>(w.data_ptr());
+  const float* sp = scale.data_ptr<float>();
+  const std::vector<RowTask> tasks = row_tasks(parts, block_n);
+  GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "fp8_dequantize output", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
+      for (; b < end; ++b)
+        for (int64_t r = tasks[b].row0; r < tasks[b].row0 + tasks[b].rows; ++r)
+          dequantize_row(wp + r * w.stride(0), sp + tasks[b].scale_row * KB, K, block_k, op + r * K);
+    });
+  });
 }
 
 }  // namespace glm53

@@ -43,6 +43,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x, const at::Tensor& w13, const at:
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::IntArrayRef parts,
                       int64_t block_n, int64_t block_k);
 at::Tensor linear16(const at::Tensor& x, const at::Tensor& weight);
+void fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, at::IntArrayRef parts, int64_t block_n,
+                    int64_t block_k, at::Tensor& out);
 
 // "<isa> torch <version>": what this library was built for, checked by the loader and shown in its log line.
 std::string build_info() { return std::string(isa_name()) + " torch " + TORCH_VERSION; }
@@ -73,6 +75,7 @@ TORCH_LIBRARY(vllm_glm53, m) {
         " Tensor weights, float swiglu_limit, int block_n, int block_k) -> Tensor");
   m.def("fp8_linear(Tensor x, Tensor weight, Tensor scale, int[] parts, int block_n, int block_k) -> Tensor");
   m.def("linear16(Tensor x, Tensor weight) -> Tensor");
+  m.def("fp8_dequantize(Tensor weight, Tensor scale, int[] parts, int block_n, int block_k, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
@@ -92,4 +95,5 @@ TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
   m.impl("moe_experts_fp8", &glm53::moe_experts_fp8);
   m.impl("fp8_linear", &glm53::fp8_linear);
   m.impl("linear16", &glm53::linear16);
+  m.impl("fp8_dequantize", &glm53::fp8_dequantize);
 }

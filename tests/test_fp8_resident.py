@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 from kernel_isas import ops, other_isas, rerun_on
 from test_cpu_kernels import F32_ULPS, _close, _gen
+from vllm_glm53.backends import dispatch
 from vllm_glm53.backends.cpu import fp8 as fp8_ops
+from vllm_glm53.backends.cpu import moe
 from vllm_glm53.quant.fp8_block import quantize_block_fp8
 
 BLOCK = (128, 128)
@@ -214,6 +216,73 @@ def test_fp8_experts_bfloat16_tokens():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# bfloat16 GEMMs on dequantized copies (CPUs with native bfloat16 arithmetic)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("parts,K", [([200, 200], 320), ([72, 128, 40], 100), ([3300, 3500], 320)])
+def test_fp8_dequantize_is_the_reference_bit_for_bit(parts, K, dtype):
+    """The kernels' dequantization into a kept buffer: float(w) * scale in float32, rounded once, as the
+    dequantize-at-load path (quant/fp8_block.py) does it, fused ragged parts included."""
+    weight, scale = _fused(parts, K, _gen(K + len(parts)))
+    out = torch.full((sum(parts), K), float("nan"), dtype=dtype)
+    ops.fp8_dequantize(weight, scale, parts, *BLOCK, out)
+    assert torch.equal(out, fp8_ops.dequantize_parts(weight, scale, parts, BLOCK, dtype))
+    with pytest.raises(RuntimeError, match="out must be a contiguous CPU tensor"):
+        ops.fp8_dequantize(weight, scale, parts, *BLOCK, out[:, :-1])
+
+
+@pytest.fixture
+def native_bf16(monkeypatch):
+    """This CPU as one with native bfloat16 arithmetic (the bf16_gemm forms' condition)."""
+    monkeypatch.setattr(fp8_ops, "native_16bit", lambda dtype: dtype == torch.bfloat16)
+
+
+def test_large_bfloat16_linears_run_the_dequantized_models_gemm(native_bf16):
+    """From BF16_GEMM_MIN_TOKENS a bfloat16 model's FP8 linear is the dequantize-at-load model's product exactly: the
+    same bfloat16 weight, the same GEMM; below it, and for float32 tokens, the E4M3 kernel."""
+    parts, K = [200, 200], 320
+    weight, scale = _fused(parts, K, _gen(31))
+    many = torch.randn(fp8_ops.BF16_GEMM_MIN_TOKENS, K, generator=_gen(32)).bfloat16()
+    want = F.linear(many, fp8_ops.dequantize_parts(weight, scale, parts, BLOCK, torch.bfloat16))
+    assert torch.equal(fp8_ops.fp8_linear(many, weight, scale, parts, BLOCK), want)
+    assert fp8_ops._linear_bf16_check(many, weight, scale, parts, BLOCK) is None
+    assert "fewer than" in fp8_ops._linear_bf16_check(many[:-1], weight, scale, parts, BLOCK)
+    assert "float32 activations" in fp8_ops._linear_bf16_check(many.float(), weight, scale, parts, BLOCK)
+
+
+def test_large_bfloat16_expert_batches_run_the_dequantized_models_loop(native_bf16):
+    """From BF16_GEMM_MIN_PAIRS pairs per expert the FP8 experts are the dequantize-at-load model's bfloat16 expert
+    loop exactly (each expert's w13 fused from ragged parts: inter = 200 is not a multiple of the 128-row block)."""
+    D, inter = 320, 200
+    w13, s13, w2, s2 = _expert_stacks(D, inter, _gen(33))
+    T = fp8_ops.BF16_GEMM_MIN_PAIRS * E // 2
+    ids, weights = _routing(T, 2, _gen(34))
+    x = (4 * torch.randn(T, D, generator=_gen(35))).bfloat16()
+    w13_bf16 = torch.stack([fp8_ops.dequantize_parts(w13[e], s13[e], [inter, inter], BLOCK, torch.bfloat16)
+                            for e in range(E)])
+    w2_bf16 = torch.stack([fp8_ops.dequantize_parts(w2[e], s2[e], [D], BLOCK, torch.bfloat16) for e in range(E)])
+    want = moe.routed_experts_torch(x, w13_bf16, w2_bf16, ids, weights, SWIGLU_LIMIT)
+    got = fp8_ops.routed_experts_fp8(x, w13, s13, w2, s2, ids, weights, SWIGLU_LIMIT, BLOCK)
+    assert torch.equal(got, want)
+    assert ("routed_experts_fp8", "bf16_gemm", ()) in dispatch.decisions()
+    fewer = (ids[:-1], weights[:-1])
+    assert "fewer than" in fp8_ops._experts_bf16_check(x[:-1], w13, s13, w2, s2, *fewer, SWIGLU_LIMIT, BLOCK)
+
+
+def test_bf16_gemm_forms_need_native_bfloat16():
+    gen = _gen(36)
+    weight, scale = _fused([256], 256, gen)
+    x = torch.randn(fp8_ops.BF16_GEMM_MIN_TOKENS, 256, generator=gen).bfloat16()
+    reason = fp8_ops._linear_bf16_check(x, weight, scale, [256], BLOCK)
+    if fp8_ops.native_16bit(torch.bfloat16):
+        assert reason is None
+    else:
+        assert "no native bfloat16" in reason
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The layers: what they keep after loading, and the dispatch
 # ---------------------------------------------------------------------------------------------------------
 
@@ -252,7 +321,8 @@ def test_fused_linear_layer_keeps_the_checkpoint_bytes_and_runs_the_kernel():
         got, _ = layer(x)
     want = x @ torch.cat([fp8_ops.dequantize_parts(w, s, [inter], BLOCK) for w, s in (gate, up)]).t()
     _close(got, want, ulps=16)  # measured 1.6 (avx2)
-    assert ("fp8_linear", "compiled", ()) in decisions()
+    assert ("fp8_linear", "compiled", (f"bf16_gemm declined: fewer than {fp8_ops.BF16_GEMM_MIN_TOKENS} tokens: the "
+                                       "E4M3 kernel reads fewer bytes",)) in decisions()
 
 
 def test_expert_layer_keeps_the_checkpoint_bytes():
