@@ -1,5 +1,5 @@
 """Block-FP8 weights kept resident on the CPU: ``W[n, k] = float(W8[n, k]) * scale[n // bn, k // bk]`` stays as
-E4M3 bytes plus float32 block scales, and the compiled kernels (csrc/fp8_linear.cpp, csrc/moe.cpp) dequantize
+E4M3 bytes plus float32 block scales, and the compiled kernels (csrc/linear.cpp, csrc/moe.cpp) dequantize
 inside the products. Decode reads each weight byte once, half the traffic of a bfloat16 copy (a quarter of a
 float32 one), and the weights take the checkpoint's size in memory.
 
