@@ -83,8 +83,9 @@ struct RowsFp8 {
   }
   int64_t column_block() const { return block_k; }
   const E4m3* row(int64_t r) const { return w + r * ws; }
-  // Row r's columns [k0, k0 + n) dequantized (k0 a multiple of block_k).
-  void widen(const RowTask& task, int64_t r, int64_t k0, int64_t n, float* out) const {
+  // Row r's columns [k0, k0 + n) dequantized (k0 a multiple of block_k), into float32 or a 16-bit type.
+  template <typename T>
+  void widen(const RowTask& task, int64_t r, int64_t k0, int64_t n, T* out) const {
     dequantize_row(row(r) + k0, scale + task.scale_row * KB + k0 / block_k, n, block_k, out);
   }
 };
@@ -270,15 +271,14 @@ void fp8_dequantize(const at::Tensor& weight_, const at::Tensor& scale_, at::Int
   if (N == 0 || K == 0) return;
   const at::Tensor w = weight_.stride(1) == 1 ? weight_ : weight_.contiguous();
   const at::Tensor scale = scale_.contiguous();
-  const E4m3* wp = reinterpret_cast<const E4m3*>(w.data_ptr());
-  const float* sp = scale.data_ptr<float>();
+  const RowsFp8 rows{reinterpret_cast<const E4m3*>(w.data_ptr()), w.stride(0), scale.data_ptr<float>(), KB, block_k};
   const std::vector<RowTask> tasks = row_tasks(parts, block_n);
   GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "fp8_dequantize output", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
       for (; b < end; ++b)
         for (int64_t r = tasks[b].row0; r < tasks[b].row0 + tasks[b].rows; ++r)
-          dequantize_row(wp + r * w.stride(0), sp + tasks[b].scale_row * KB, K, block_k, op + r * K);
+          rows.widen(tasks[b], r, 0, K, op + r * K);
     });
   });
 }
