@@ -8,7 +8,7 @@
 // Block FP8 (weight[n, k] = float(e4m3[n, k]) * scale[n / bn, k / bk]) is computed two ways:
 //   direct  for a few tokens: the token rows are multiplied by one row block's scales (scale_by_blocks), then
 //           dotted with the E4M3 rows as they stream in (vec.h's E4M3 load), so every weight byte is read once
-//           and converted once per kTok tokens; nothing is written but the results.
+//           and converted once per kTok tokens (once where kE4m3RowAlone); nothing is written but the results.
 //   tile    for more tokens: the tokens lie across the vector lanes and a few rows at a time, dequantized a chunk
 //           of columns at a time into an L1-resident float32 buffer (dequantize_row), are broadcast against
 //           them (rows_by_tokens, below), so the conversion is paid once per weight value and pass.
@@ -55,9 +55,10 @@ inline int64_t token_chunk(int64_t len, int64_t bytes = kChunkBytes) {
 // Never inlined: inside the kernels' large parallel bodies GCC kept an accumulator and the E4M3 mask on the
 // stack (a store and two reloads per lane group); compiled on its own the loop keeps them in registers, about
 // 1.25x faster on the E4M3 decode path (one call per row pair: the call itself is noise).
-template <int R, int N, typename W>
-[[gnu::noinline]] void dot_block(const W* const* rows, std::type_identity_t<const W*> const* ahead, const float* const* xs, int64_t len,
-                      float (*acc)[kTok]) {
+template <int R, int N, typename W, int A>
+[[gnu::noinline]] void dot_block(const W* const* rows, std::type_identity_t<const W*> const* ahead, const float* const* xs,
+                                 int64_t len, float (*acc)[A]) {
+  static_assert(N <= A);
   F16 s[R][N];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < N; ++j) s[r][j] = zero();
@@ -80,9 +81,9 @@ template <int R, int N, typename W>
 }
 
 // The same for 1..N tokens (n picks the instantiation).
-template <int R, int N = kTok, typename W>
-inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> const* ahead, const float* const* xs, int n, int64_t len,
-                       float (*acc)[kTok]) {
+template <int R, int N = kTok, typename W, int A>
+inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> const* ahead, const float* const* xs, int n,
+                       int64_t len, float (*acc)[A]) {
   if constexpr (N > 1)
     if (n < N) return dot_tokens<R, N - 1>(rows, ahead, xs, n, len, acc);
   dot_block<R, N>(rows, ahead, xs, len, acc);
@@ -90,9 +91,24 @@ inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> cons
 
 // 1 or 2 rows (``nr``) against ``n`` tokens, kTok at a time; acc[r][j] for j < n (n <= kDirectMaxTokens).
 // ``ahead`` is prefetched during the first group only (the later groups find the rows in cache).
+// Where kTok is 2 (avx2, portable), E4M3 rows with more than kTok tokens go one row at a time against all of
+// them instead, with as many accumulators: each weight is converted once instead of once per group, for twice
+// the token loads. fp8_linear at 3-4 tokens and FP8 experts with 3-4 tokens each, released sizes, caches flushed,
+// 2 threads: avx2 1.2-1.8x faster, portable 1.15-1.35x (benchmarks/README.md). The sums are the same either way
+// (every accumulator adds the same products in the same order). The avx512 build keeps the row pairs: not
+// measured there, where kTok 4 would mean eight token loads per weight load.
+constexpr bool kE4m3RowAlone = kTok == 2;
+
 template <typename W>
 inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const* ahead, int nr, const float* const* xs, int n,
                      int64_t len, float (*acc)[kDirectMaxTokens]) {
+  if constexpr (std::is_same_v<W, E4m3> && kE4m3RowAlone) {
+    if (n > kTok) {
+      for (int r = 0; r < nr; ++r)
+        dot_tokens<1, kDirectMaxTokens>(rows + r, ahead != nullptr ? ahead + r : nullptr, xs, n, len, acc + r);
+      return;
+    }
+  }
   float part[2][kTok];
   for (int j0 = 0; j0 < n; j0 += kTok) {
     const int g = std::min(kTok, n - j0);

@@ -183,11 +183,12 @@ def _routing(T: int, k: int, gen):
     return torch.tensor(used)[keys.topk(k, dim=-1).indices], torch.rand(T, k, generator=gen)
 
 
-# Tokens per expert (experts 0, 2, 3, 5): T = 1: 0-1, the direct path; 16: 5-6, rows dotted kTok tokens at a time,
-# and 7-15, one token group across the lanes; 40: 10-37, up to three groups; 400: 132-356, the hot expert's 22
-# groups in two passes of at most 16.
+# Tokens per expert (experts 0, 2, 3, 5): T = 1: 0-1, the direct path; 8: 2-4 on the direct path (avx2 and
+# portable: more than kTok, so one row at a time against all of them) and the hot expert's 5-6, rows dotted kTok
+# tokens at a time; 16: 5-6, and 7-15, one token group across the lanes; 40: 10-37, up to three groups; 400:
+# 132-356, the hot expert's 22 groups in two passes of at most 16.
 @pytest.mark.parametrize("D,inter", [(256, 128), (320, 200), (320, 72)])
-@pytest.mark.parametrize("T", [1, 16, 40, 400])
+@pytest.mark.parametrize("T", [1, 8, 16, 40, 400])
 def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
     gen = _gen(T * 1000 + inter)
     w13, s13, w2, s2 = _expert_stacks(D, inter, gen)
