@@ -36,9 +36,9 @@ constexpr int64_t kChunkBytes = 128 << 10;  // float32 token rows a task works t
 constexpr float kE4m3SumScale = kE4m3Unit < 0x1p-64f ? 1.0f / (kE4m3Unit * 0x1p64f) : 1.0f;
 constexpr float kE4m3TokenScale = 1.0f / (kE4m3Unit * kE4m3SumScale);
 
-// Tokens up to which block-FP8 products take the direct path. Each further group of kTok tokens converts the
-// E4M3 rows again (from L1: a row pair is a few KiB), against one float32 row write and re-read per row in the
-// tile path; two groups is about where the two cost the same.
+// Tokens up to which products take the direct path. Each further group of kTok tokens reads the rows again
+// (from L1: a row pair is a few KiB), against one float32 row write and re-read per row in the tile path; two
+// groups is about where the two cost the same.
 constexpr int64_t kDirectMaxTokens = 2 * kTok;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -89,23 +89,28 @@ inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> cons
   dot_block<R, N>(rows, ahead, xs, len, acc);
 }
 
-// 1 or 2 rows (``nr``) against ``n`` tokens, kTok at a time; acc[r][j] for j < n (n <= kDirectMaxTokens).
-// ``ahead`` is prefetched during the first group only (the later groups find the rows in cache).
 // Where kTok is 2 (avx2, portable), E4M3 rows with more than kTok tokens go one row at a time against all of
-// them instead, with as many accumulators: each weight is converted once instead of once per group, for twice
+// them instead (one accumulator per token): each weight is converted once instead of once per group, for twice
 // the token loads. fp8_linear at 3-4 tokens and FP8 experts with 3-4 tokens each, released sizes, caches flushed,
 // 2 threads: avx2 1.2-1.8x faster, portable 1.15-1.35x (benchmarks/README.md). The sums are the same either way
 // (every accumulator adds the same products in the same order). The avx512 build keeps the row pairs: not
 // measured there, where kTok 4 would mean eight token loads per weight load.
 constexpr bool kE4m3RowAlone = kTok == 2;
+// Tokens up to which block-FP8 products take the direct path. avx2: 6, one row against six tokens in 12 of its 16
+// registers, where the tile path would fill 5-6 of a token group's 16 lanes: fp8_linear at 5-6 tokens 1.9-3.6x and
+// FP8 experts with 5-6 tokens each 1.5-1.9x faster than the tile path and the few-token path (released sizes).
+constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 6 : kDirectMaxTokens;
 
-template <typename W>
+// 1 or 2 rows (``nr``) against ``n`` tokens, kTok at a time (E4M3 rows: see kE4m3RowAlone); acc[r][j] for j < n
+// (n <= kDirectMaxTokens, kE4m3DirectMaxTokens for E4M3 rows). ``ahead`` is prefetched during the first group only
+// (the later groups find the rows in cache).
+template <typename W, int A>
 inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const* ahead, int nr, const float* const* xs, int n,
-                     int64_t len, float (*acc)[kDirectMaxTokens]) {
+                     int64_t len, float (*acc)[A]) {
   if constexpr (std::is_same_v<W, E4m3> && kE4m3RowAlone) {
     if (n > kTok) {
       for (int r = 0; r < nr; ++r)
-        dot_tokens<1, kDirectMaxTokens>(rows + r, ahead != nullptr ? ahead + r : nullptr, xs, n, len, acc + r);
+        dot_tokens<1, kE4m3DirectMaxTokens>(rows + r, ahead != nullptr ? ahead + r : nullptr, xs, n, len, acc + r);
       return;
     }
   }

@@ -9,8 +9,9 @@
 // ceil(row offset of p / bn), where vLLM's fused-parameter loaders put them.
 //
 // Rows go in tasks of kRowsPerTask rows inside one row block of one part. Three paths, by the number of tokens M:
-//   direct  (M <= kDirectMaxTokens, decode): one parallel region over the tasks streams every weight byte once,
-//           converting it in registers (gemv.h), so the call is bound by reading the weight;
+//   direct  (M <= kDirectMaxTokens, kE4m3DirectMaxTokens for FP8; decode): one parallel region over the tasks
+//           streams every weight byte once, converting it in registers (gemv.h), so the call is bound by reading
+//           the weight;
 //   tile    (up to kPanelMinTokens, decode batches): the tokens lie across the vector lanes (transposed once) and
 //           kRowTile rows at a time, widened / dequantized a chunk of columns at a time into an L1-resident float32
 //           buffer, are broadcast against them (gemv.h's rows_by_tokens: no horizontal sums, one token load per
@@ -61,6 +62,7 @@ template <typename W_>
 struct Rows16 {
   using W = W_;
   static constexpr bool kScaledTokens = false;  // the direct path dots the float32 tokens as they are
+  static constexpr int64_t kDirectMax = kDirectMaxTokens;
   const W* w;
   int64_t ws;
   int64_t column_block() const { return kLanes; }  // widen()'s column ranges start at multiples of this
@@ -74,6 +76,7 @@ struct Rows16 {
 struct RowsFp8 {
   using W = E4m3;
   static constexpr bool kScaledTokens = true;
+  static constexpr int64_t kDirectMax = kE4m3DirectMaxTokens;
   const E4m3* w;
   int64_t ws;
   const float* scale;
@@ -122,7 +125,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
   }
   GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "linear output", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
-    if (M > kDirectMaxTokens) {
+    if (M > Rows::kDirectMax) {
       const int64_t groups = ceil_div(M, kLanes);
       const at::Tensor xt_buf = at::empty({groups * K * kLanes}, x.options());  // every value written below
       float* xt = xt_buf.data_ptr<float>();
@@ -155,9 +158,9 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
     }
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
       std::vector<float> xs_buf(scaled_tokens ? M * K : 0);
-      const float* xs[kDirectMaxTokens];
+      const float* xs[Rows::kDirectMax];
       for (int64_t j = 0; j < M; ++j) xs[j] = (scaled_tokens ? xs_buf.data() : xp) + j * K;
-      float acc[2][kDirectMaxTokens];
+      float acc[2][Rows::kDirectMax];
       int64_t prepared_for = -1;  // consecutive tasks of a thread mostly share a row block: scale the tokens once
       for (; b < end; ++b) {
         const RowTask& task = tasks[b];

@@ -18,7 +18,7 @@
 //     no horizontal sums; step 1 writes h in that layout for step 2.
 //
 // moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes. Below kAcrossLanesMinTokens
-// it has two forms: at most kDirectMaxTokens tokens, the direct path (tokens pre-multiplied by the row block's
+// it has two forms: at most kE4m3DirectMaxTokens tokens, the direct path (tokens pre-multiplied by the row block's
 // scales, E4M3 rows converted as they stream); more, each row dequantized into L1 and dotted with kTok tokens at a
 // time. The tile path dequantizes its rows. It serves every batch size, prefill included: there is no
 // dequantized copy for torch's GEMMs to use.
@@ -310,7 +310,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
 // The same with block-FP8 weights kept as E4M3 bytes: w13 [E, 2I, D] and w2 [E, D, I] float8_e4m3fn, their
 // float32 block scales w13_scale [E, 2 * ceil(I / bn), ceil(D / bk)] (gate blocks, then up blocks: the two halves
 // are separate checkpoint tensors, each with its own ragged last block) and w2_scale [E, ceil(D / bn),
-// ceil(I / bk)]. Per expert, the direct path for at most kDirectMaxTokens tokens, else the tile path (gemv.h).
+// ceil(I / bk)]. Per expert, the direct path for at most kE4m3DirectMaxTokens tokens, else the tile path (gemv.h).
 at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const at::Tensor& w13_scale_,
                            const at::Tensor& w2_, const at::Tensor& w2_scale_, const at::Tensor& ids_,
                            const at::Tensor& weights_, double swiglu_limit, int64_t block_n, int64_t block_k) {
@@ -349,9 +349,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   const std::vector<Task> up_tasks = expert_tasks(count, I);
   at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
     // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row
-    std::vector<float> buf(2 * kDirectMaxTokens * D);
+    std::vector<float> buf(2 * kE4m3DirectMaxTokens * D);
     std::vector<float> tile(kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
-    float acc_gate[2][kDirectMaxTokens], acc_up[2][kDirectMaxTokens];
+    float acc_gate[2][kE4m3DirectMaxTokens], acc_up[2][kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
     for (; b < end; ++b) {
       const Task& task = up_tasks[b];
@@ -359,10 +359,10 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const E4m3* we = w13p + e * s13e;
       const float* gate_scale = s13p + (e * 2 * nbI + task.row0 / block_n) * kbD;
       const float* up_scale = gate_scale + nbI * kbD;
-      if (c1 - c0 <= kDirectMaxTokens) {
+      if (c1 - c0 <= kE4m3DirectMaxTokens) {
         const int n = static_cast<int>(c1 - c0);
         float* xg = buf.data();
-        float* xu = xg + kDirectMaxTokens * D;
+        float* xu = xg + kE4m3DirectMaxTokens * D;
         if (scaled_for != e * nbI + task.row0 / block_n) {
           for (int j = 0; j < n; ++j) {
             scale_by_blocks(xp + token_at[c0 + j] * D, gate_scale, D, block_k, xg + j * D);
@@ -370,8 +370,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           }
           scaled_for = e * nbI + task.row0 / block_n;
         }
-        const float* xgs[kDirectMaxTokens];
-        const float* xus[kDirectMaxTokens];
+        const float* xgs[kE4m3DirectMaxTokens];
+        const float* xus[kE4m3DirectMaxTokens];
         for (int j = 0; j < n; ++j) xgs[j] = xg + j * D, xus[j] = xu + j * D;
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
@@ -419,17 +419,17 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   // 2. y = W2_e h: a task's rows lie in one row block of W2.
   const std::vector<Task> down_tasks = expert_tasks(count, D);
   at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
-    std::vector<float> buf(std::max(kDirectMaxTokens, int64_t{2}) * I);  // direct: scaled h rows; few: two W2 rows
+    std::vector<float> buf(std::max(kE4m3DirectMaxTokens, int64_t{2}) * I);  // direct: scaled h rows; few: two W2 rows
     std::vector<float> tile(kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
-    float acc_direct[2][kDirectMaxTokens];
-    const float* hs[kDirectMaxTokens];
+    float acc_direct[2][kE4m3DirectMaxTokens];
+    const float* hs[kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;
     for (; b < end; ++b) {
       const Task& task = down_tasks[b];
       const int64_t e = task.expert, c0 = start[e], c1 = start[e + 1], last = task.row0 + task.rows;
       const E4m3* we = w2p + e * s2e;
       const float* scale = s2p + (e * nbD + task.row0 / block_n) * kbI;
-      if (c1 - c0 <= kDirectMaxTokens) {
+      if (c1 - c0 <= kE4m3DirectMaxTokens) {
         const int n = static_cast<int>(c1 - c0);
         if (scaled_for != e * nbD + task.row0 / block_n) {
           for (int j = 0; j < n; ++j) scale_by_blocks(hp + (c0 + j) * I, scale, I, block_k, buf.data() + j * I);

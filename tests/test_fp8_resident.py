@@ -5,10 +5,10 @@ Weights are quantized from random floats, then every block scale is multiplied b
 (exact), so blocks of one weight differ in magnitude by up to 16x: reading a neighbour's scale (a swapped axis, a
 ragged block, a fused part's offset) changes the output by far more than any tolerance here. Shapes have ragged
 last blocks in both directions, fused parts whose first block rows are ragged, and token counts on every kernel
-path (direct: at most 2 x kTok tokens; dense linears: tile below 256 tokens (32 on the portable path), panels from
-there; experts: rows dotted a few tokens at a time, then tokens across the lanes). Outputs are compared in units
-of ``ulp(max|reference|)`` as in test_cpu_kernels.py; each tolerance is about 4x the largest error measured on the
-avx2 and the portable path.
+path (direct: at most 2 x kTok tokens, 6 on avx2; dense linears: tile below 256 tokens (32 on the portable path),
+panels from there; experts: rows dotted a few tokens at a time, then tokens across the lanes). Outputs are
+compared in units of ``ulp(max|reference|)`` as in test_cpu_kernels.py; each tolerance is about 4x the largest
+error measured on the avx2 and the portable path.
 
 Every instruction set this CPU runs is checked: ``test_other_instruction_sets`` runs this module again in a
 subprocess for each path other than the loaded one. The engine side (an FP8 checkpoint served with resident
@@ -107,8 +107,9 @@ LINEAR_SHAPES = [([256], 256), ([200], 320), ([200, 200], 320), ([72, 128, 40], 
 
 
 @pytest.mark.parametrize("parts,K", LINEAR_SHAPES)
-# direct (up to 2 x kTok tokens); tile (one, two token groups); 40: tile (avx2, avx512) / panels (portable); panels
-@pytest.mark.parametrize("M", [1, 3, 16, 20, 40, 256])
+# direct (up to 2 x kTok tokens, 6 on avx2: 3 takes the one-row form there and on portable, 6 is direct on avx2 and
+# tile elsewhere); tile (one, two token groups); 40: tile (avx2, avx512) / panels (portable); panels
+@pytest.mark.parametrize("M", [1, 3, 6, 16, 20, 40, 256])
 def test_fp8_linear_matches_dequantize_then_matmul(parts, K, M):
     gen = _gen(M * 100 + K)
     weight, scale = _fused(parts, K, gen)
@@ -184,9 +185,9 @@ def _routing(T: int, k: int, gen):
 
 
 # Tokens per expert (experts 0, 2, 3, 5): T = 1: 0-1, the direct path; 8: 2-4 on the direct path (avx2 and
-# portable: more than kTok, so one row at a time against all of them) and the hot expert's 5-6, rows dotted kTok
-# tokens at a time; 16: 5-6, and 7-15, one token group across the lanes; 40: 10-37, up to three groups; 400:
-# 132-356, the hot expert's 22 groups in two passes of at most 16.
+# portable: more than kTok, so one row at a time against all of them) and the hot expert's 5-6 (direct on avx2,
+# elsewhere rows dotted kTok tokens at a time); 16: 5-6, and 7-15, one token group across the lanes; 40: 10-37,
+# up to three groups; 400: 132-356, the hot expert's 22 groups in two passes of at most 16.
 @pytest.mark.parametrize("D,inter", [(256, 128), (320, 200), (320, 72)])
 @pytest.mark.parametrize("T", [1, 8, 16, 40, 400])
 def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
