@@ -56,8 +56,8 @@ inline int64_t token_chunk(int64_t len, int64_t bytes = kChunkBytes) {
 // stack (a store and two reloads per lane group); compiled on its own the loop keeps them in registers, about
 // 1.25x faster on the E4M3 decode path (one call per row pair: the call itself is noise).
 template <int R, int N, typename W, int A>
-[[gnu::noinline]] void dot_block(const W* const* rows, std::type_identity_t<const W*> const* ahead, const float* const* xs,
-                                 int64_t len, float (*acc)[A]) {
+[[gnu::noinline]] void dot_block(const W* const* rows, std::type_identity_t<const W*> const* ahead,
+                                 const float* const* xs, int64_t len, float (*acc)[A]) {
   static_assert(N <= A);
   F16 s[R][N];
   for (int r = 0; r < R; ++r)
