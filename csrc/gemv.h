@@ -8,10 +8,12 @@
 // Block FP8 (weight[n, k] = float(e4m3[n, k]) * scale[n / bn, k / bk]) is computed two ways:
 //   direct  for a few tokens: the token rows are multiplied by one row block's scales (scale_by_blocks), then
 //           dotted with the E4M3 rows as they stream in (vec.h's E4M3 load), so every weight byte is read once
-//           and converted once per kTok tokens (once where kE4m3RowAlone); nothing is written but the results.
+//           and converted once (dot_rows); nothing is written but the results.
 //   tile    for more tokens: the tokens lie across the vector lanes and a few rows at a time, dequantized a chunk
 //           of columns at a time into an L1-resident float32 buffer (dequantize_row), are broadcast against
-//           them (rows_by_tokens, below), so the conversion is paid once per weight value and pass.
+//           them (rows_by_tokens, below), so the conversion is paid once per weight value and pass. bfloat16
+//           tokens on a CPU with bfloat16 dot products: the rows' E4M3 values as bfloat16 against token pairs
+//           instead (rows_by_token_pairs), twice the products per instruction.
 #pragma once
 
 #include <algorithm>
@@ -89,25 +91,22 @@ inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> cons
   dot_block<R, N>(rows, ahead, xs, len, acc);
 }
 
-// Where kTok is 2 (avx2, portable), E4M3 rows with more than kTok tokens go one row at a time against all of
-// them instead (one accumulator per token): each weight is converted once instead of once per group, for twice
-// the token loads. fp8_linear at 3-4 tokens and FP8 experts with 3-4 tokens each, released sizes, caches flushed,
-// 2 threads: avx2 1.2-1.8x faster, portable 1.15-1.35x (benchmarks/README.md). The sums are the same either way
-// (every accumulator adds the same products in the same order). The avx512 build keeps the row pairs: not
-// measured there, where kTok 4 would mean eight token loads per weight load.
-constexpr bool kE4m3RowAlone = kTok == 2;
 // Tokens up to which block-FP8 products take the direct path. avx2: 6, one row against six tokens in 12 of its 16
 // registers, where the tile path would fill 5-6 of a token group's 16 lanes: fp8_linear at 5-6 tokens 1.9-3.6x and
 // FP8 experts with 5-6 tokens each 1.5-1.9x faster than the tile path and the few-token path (released sizes).
 constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 6 : kDirectMaxTokens;
 
-// 1 or 2 rows (``nr``) against ``n`` tokens, kTok at a time (E4M3 rows: see kE4m3RowAlone); acc[r][j] for j < n
-// (n <= kDirectMaxTokens, kE4m3DirectMaxTokens for E4M3 rows). ``ahead`` is prefetched during the first group only
-// (the later groups find the rows in cache).
+// 1 or 2 rows (``nr``) against ``n`` tokens, kTok at a time; acc[r][j] for j < n (n <= kDirectMaxTokens,
+// kE4m3DirectMaxTokens for E4M3 rows). ``ahead`` is prefetched during the first group only (the later groups find
+// the rows in cache). E4M3 rows with more than kTok tokens go one row at a time against all of them (one
+// accumulator per token): each weight is converted once instead of once per kTok tokens, for twice the token
+// loads. fp8_linear and FP8 experts at released sizes, caches flushed, 2 threads: avx2 1.2-1.8x faster at 3-4
+// tokens, portable 1.15-1.35x, avx512 1.1-1.3x at 5-8 (benchmarks/README.md). The sums are the same either way
+// (every accumulator adds the same products in the same order).
 template <typename W, int A>
-inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const* ahead, int nr, const float* const* xs, int n,
-                     int64_t len, float (*acc)[A]) {
-  if constexpr (std::is_same_v<W, E4m3> && kE4m3RowAlone) {
+inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const* ahead, int nr,
+                     const float* const* xs, int n, int64_t len, float (*acc)[A]) {
+  if constexpr (std::is_same_v<W, E4m3>) {
     if (n > kTok) {
       for (int r = 0; r < nr; ++r)
         dot_tokens<1, kE4m3DirectMaxTokens>(rows + r, ahead != nullptr ? ahead + r : nullptr, xs, n, len, acc + r);
@@ -189,16 +188,100 @@ inline void rows_by_tokens_n(int nr, const float* rows, int64_t ld, const float*
   rows_by_tokens<R>(rows, ld, xt, len, accumulate, ahead, ahead_bytes, acc);
 }
 
+#if GLM53_AVX512
+// ---- bfloat16 pairs across the lanes (CPUs with AVX512_BF16) ---------------------------------------------
+// The tile path for block-FP8 rows and bfloat16 tokens (a bfloat16 model's products) on vec.h's dot_pairs: every
+// E4M3 value is a bfloat16 value, so the rows are widened to bfloat16 exactly (value * 2^-8, unscaled), the tokens
+// (bfloat16 already) lie in pairs of columns across the lanes, and each broadcast weight pair and token load feed
+// two exact products per lane, twice the float32 FMA's. A chunk is one column block: its sums are multiplied by
+// the block's scale as they are added to the previous blocks' (the row tile lies in one row block), so the weights
+// are the exact ones, as on the float32 tile path.
+
+// xp[(g * K / 2 + p) * kLanes + lane]: token (g * kLanes + lane)'s columns 2p (low half) and 2p + 1 as bfloat16
+// (rounded to nearest even: exact for bfloat16 tokens), zero past the last token. K even.
+template <typename RowOf>
+void token_pairs_across_lanes(const RowOf& row, int64_t M, int64_t K, uint32_t* xp) {
+  const int64_t K2 = K / 2;
+  if (M % kLanes != 0) std::fill_n(xp + (M / kLanes) * K2 * kLanes, K2 * kLanes, 0u);
+  for (int64_t j = 0; j < M; ++j) {
+    const float* src = row(j);
+    uint32_t* dst = xp + (j / kLanes) * K2 * kLanes + j % kLanes;
+    for (int64_t p = 0; p < K2; ++p)
+      dst[p * kLanes] = static_cast<uint32_t>(c10::BFloat16(src[2 * p]).x) |
+                        static_cast<uint32_t>(c10::BFloat16(src[2 * p + 1]).x) << 16;
+  }
+}
+
+// out[i] = float(w[i]) * 2^-8 as bfloat16 (exact: at most four significant bits, and a normal float), i < n.
+inline void e4m3_to_bf16(const E4m3* w, int64_t n, c10::BFloat16* out) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+    const __m512i bits = _mm512_castps_si512(load(w + i, m).v);  // float32 of value * 2^-8: its top half is exact
+    _mm256_mask_storeu_epi16(out + i, lane_mask(m), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
+}
+
+// acc[r] = (acc[r] if ``accumulate``) + scale * sum_k rows[r * ld + k] * token k, for R bfloat16 rows against token
+// pairs xp over ``len`` columns (even); ``ahead`` as in rows_by_tokens.
+template <int R>
+[[gnu::noinline]] GLM53_BF16_DOT void rows_by_token_pairs(const c10::BFloat16* rows, int64_t ld, const uint32_t* xp,
+                                                          int64_t len, float scale, bool accumulate,
+                                                          const char* const* ahead, int64_t ahead_bytes,
+                                                          float (*acc)[kLanes]) {
+  __m512 s[R];
+  for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+  const int64_t lines = ahead != nullptr ? ceil_div(ahead_bytes, 64) : 0;
+  for (int64_t k0 = 0; k0 < len; k0 += 2 * kLanes) {
+    for (int64_t l = k0 * lines / len; l < std::min(k0 + 2 * kLanes, len) * lines / len; ++l)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(ahead[r] + 64 * l);
+    for (int64_t k = k0; k < std::min(k0 + 2 * kLanes, len); k += 2) {
+      const __m512i xv = _mm512_loadu_si512(xp + k / 2 * kLanes);
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, rows + r * ld + k, sizeof(pair));
+        s[r] = dot_pairs(s[r], _mm512_set1_epi32(static_cast<int>(pair)), xv);
+      }
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(acc[r], accumulate ? _mm512_fmadd_ps(s[r], sv, _mm512_loadu_ps(acc[r])) : _mm512_mul_ps(s[r], sv));
+}
+
+template <int R = kRowTile>
+inline void rows_by_token_pairs_n(int nr, const c10::BFloat16* rows, int64_t ld, const uint32_t* xp, int64_t len,
+                                  float scale, bool accumulate, const char* const* ahead, int64_t ahead_bytes,
+                                  float (*acc)[kLanes]) {
+  if constexpr (R > 1)
+    if (nr < R)
+      return rows_by_token_pairs_n<R - 1>(nr, rows, ld, xp, len, scale, accumulate, ahead, ahead_bytes, acc);
+  rows_by_token_pairs<R>(rows, ld, xp, len, scale, accumulate, ahead, ahead_bytes, acc);
+}
+#endif
+
+// Whether block-FP8 row tiles take the bfloat16 pairs above for tokens of dtype ``tokens`` and K columns: an
+// avx512 build on a CPU with bfloat16 dot products, bfloat16 tokens (exact as bfloat16), K even.
+inline bool bf16_pair_tiles(at::ScalarType tokens, int64_t K) {
+#if GLM53_AVX512
+  return tokens == at::kBFloat16 && K % 2 == 0 && has_bf16_dot();
+#else
+  (void)tokens, (void)K;
+  return false;
+#endif
+}
+
 // One row tile against token groups: acc[g * kRowTile + i][lane] = row i . token (g * kLanes + lane) for nr rows
-// and g < groups (xt as tokens_across_lanes lays it out, K columns), a chunk of ``chunk`` columns at a time
-// (a multiple of the rows' column block): widen(i, k0, n, out) writes row i's columns [k0, k0 + n) as float32
-// into ``tile`` (kRowTile x chunk floats). Meanwhile the weight widened next is prefetched: ``rows`` (byte
-// pointers to the nr rows' starts, ``elem`` bytes a value) at their next chunk, after their last chunk
-// ``next`` (nn rows, 0: none) at their first.
-template <typename Widen>
+// and g < groups, a chunk of ``chunk`` columns at a time (a multiple of the rows' column block): widen(i, k0, n,
+// out) writes row i's columns [k0, k0 + n) into ``tile`` (kRowTile x chunk values). Two forms:
+//   float32 rows against xt as tokens_across_lanes lays it out (``block_scales`` null);
+//   (avx512) bfloat16 rows of E4M3 values * 2^-8 (e4m3_to_bf16) against token pairs (token_pairs_across_lanes),
+//   chunk = the column block, each chunk's sums times its block scale block_scales[k0 / chunk] (and 2^8).
+// Meanwhile the weight widened next is prefetched: ``rows`` (byte pointers to the nr rows' starts, ``elem`` bytes
+// a value) at their next chunk, after their last chunk ``next`` (nn rows, 0: none) at their first.
+template <typename Tile, typename Tokens, typename Widen>
 void row_tile_by_tokens(int nr, const Widen& widen, const char* const* rows, const char* const* next, int nn,
-                        int64_t elem, const float* xt, int64_t groups, int64_t K, int64_t chunk, float* tile,
-                        float* acc) {
+                        int64_t elem, const Tokens* xt, const float* block_scales, int64_t groups, int64_t K,
+                        int64_t chunk, Tile* tile, float* acc) {
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t kn = std::min(chunk, K - k0);
     for (int i = 0; i < nr; ++i) widen(i, k0, kn, tile + i * chunk);
@@ -208,9 +291,20 @@ void row_tile_by_tokens(int nr, const Widen& widen, const char* const* rows, con
     for (int i = 0; i < nr; ++i)
       ahead[i] = more ? rows[i] + (k0 + chunk) * elem : an > 0 ? next[std::min(i, an - 1)] : nullptr;
     const int64_t ahead_bytes = an > 0 ? std::min(chunk, K - (more ? k0 + chunk : 0)) * elem : 0;
-    for (int64_t g = 0; g < groups; ++g)
-      rows_by_tokens_n(nr, tile, chunk, xt + (g * K + k0) * kLanes, kn, k0 > 0, g == 0 && an > 0 ? ahead : nullptr,
-                       ahead_bytes, reinterpret_cast<float(*)[kLanes]>(acc + g * kRowTile * kLanes));
+    for (int64_t g = 0; g < groups; ++g) {
+      const char* const* pf = g == 0 && an > 0 ? ahead : nullptr;
+      auto* ag = reinterpret_cast<float(*)[kLanes]>(acc + g * kRowTile * kLanes);
+      if constexpr (std::is_same_v<Tile, float>) {
+        rows_by_tokens_n(nr, tile, chunk, xt + (g * K + k0) * kLanes, kn, k0 > 0, pf, ahead_bytes, ag);
+      } else {
+#if GLM53_AVX512
+        rows_by_token_pairs_n(nr, tile, chunk, xt + (g * K + k0) / 2 * kLanes, kn, block_scales[k0 / chunk] * 0x1p8f,
+                              k0 > 0, pf, ahead_bytes, ag);
+#else
+        static_assert(!sizeof(Tile), "bfloat16 row tiles are the avx512 path's");
+#endif
+      }
+    }
   }
 }
 

@@ -15,7 +15,8 @@
 //   tile    (up to kPanelMinTokens, decode batches): the tokens lie across the vector lanes (transposed once) and
 //           kRowTile rows at a time, widened / dequantized a chunk of columns at a time into an L1-resident float32
 //           buffer, are broadcast against them (gemv.h's rows_by_tokens: no horizontal sums, one token load per
-//           column for all the rows);
+//           column for all the rows); FP8 rows and bfloat16 tokens on a CPU with bfloat16 dot products: E4M3 values
+//           as bfloat16 against token pairs (rows_by_token_pairs), 1.3-1.5x faster from 16 to 128 tokens;
 //   panels  (more tokens: prefill): consecutive tasks make a panel of about kPanelBytes of
 //           float32 rows; all threads widen / dequantize the panel into a buffer, then torch's float32 GEMM
 //           multiplies it with the tokens into the panel's output columns. The conversion is paid once per weight
@@ -85,6 +86,7 @@ struct RowsFp8 {
     for (int64_t j = 0; j < M; ++j) scale_by_blocks(x + j * K, scale + task.scale_row * KB, K, block_k, buf + j * K);
   }
   int64_t column_block() const { return block_k; }
+  const float* scale_row(const RowTask& task) const { return scale + task.scale_row * KB; }
   const E4m3* row(int64_t r) const { return w + r * ws; }
   // Row r's columns [k0, k0 + n) dequantized (k0 a multiple of block_k), into float32 or a 16-bit type.
   template <typename T>
@@ -127,33 +129,60 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
     scalar_t* op = out.data_ptr<scalar_t>();
     if (M > Rows::kDirectMax) {
       const int64_t groups = ceil_div(M, kLanes);
+      // Every task's rows, kRowTile at a time, against all token groups xt, ``chunk`` columns at a time; widen(task,
+      // r, k0, n, out) writes row r's columns [k0, k0 + n) into a Tile-typed buffer, block_scales(task) is what
+      // row_tile_by_tokens takes.
+      const auto row_tiles = [&]<typename Tile, typename Tokens>(const Tokens* xt, int64_t chunk, const auto& widen,
+                                                                 const auto& block_scales) {
+        at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
+          std::vector<Tile> tile(kRowTile * chunk);
+          std::vector<float> acc(groups * kRowTile * kLanes);
+          for (; b < end; ++b) {
+            const RowTask& task = tasks[b];
+            const int64_t last = task.row0 + task.rows;
+            for (int64_t r0 = task.row0; r0 < last; r0 += kRowTile) {
+              const int nr = static_cast<int>(std::min<int64_t>(kRowTile, last - r0));
+              // prefetched after these rows: the task's next rows (the next task's first rows are not requested)
+              const int nn = static_cast<int>(std::clamp<int64_t>(last - r0 - kRowTile, 0, kRowTile));
+              const char* here[kRowTile];
+              const char* next[kRowTile];
+              for (int i = 0; i < nr; ++i) here[i] = reinterpret_cast<const char*>(rows.row(r0 + i));
+              for (int i = 0; i < nn; ++i) next[i] = reinterpret_cast<const char*>(rows.row(r0 + kRowTile + i));
+              row_tile_by_tokens(
+                  nr, [&](int i, int64_t k0, int64_t n, Tile* out) { widen(task, r0 + i, k0, n, out); }, here, next,
+                  nn, sizeof(W), xt, block_scales(task), groups, K, chunk, tile.data(), acc.data());
+              for (int64_t j = 0; j < M; ++j)
+                for (int i = 0; i < nr; ++i)
+                  op[j * N + r0 + i] = static_cast<scalar_t>(acc[((j / kLanes) * kRowTile + i) * kLanes + j % kLanes]);
+            }
+          }
+        });
+      };
+#if GLM53_AVX512
+      // Block-FP8 rows and bfloat16 tokens on a CPU with bfloat16 dot products: the rows' E4M3 values as bfloat16
+      // against token pairs, one column block per chunk (gemv.h), twice the products per instruction.
+      if constexpr (std::is_same_v<W, E4m3> && std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (bf16_pair_tiles(at::kBFloat16, K)) {
+          const at::Tensor xp_buf = at::empty({groups * K / 2 * kLanes}, x.options().dtype(at::kInt));
+          uint32_t* xp2 = reinterpret_cast<uint32_t*>(xp_buf.data_ptr<int32_t>());
+          token_pairs_across_lanes([&](int64_t j) { return xp + j * K; }, M, K, xp2);
+          row_tiles.template operator()<c10::BFloat16>(
+              static_cast<const uint32_t*>(xp2), rows.column_block(),
+              [&](const RowTask&, int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) {
+                e4m3_to_bf16(rows.row(r) + k0, n, out);
+              },
+              [&](const RowTask& task) { return rows.scale_row(task); });
+          return;
+        }
+      }
+#endif
       const at::Tensor xt_buf = at::empty({groups * K * kLanes}, x.options());  // every value written below
       float* xt = xt_buf.data_ptr<float>();
       tokens_across_lanes([&](int64_t j) { return xp + j * K; }, M, K, xt);
-      const int64_t chunk = ceil_div(kColumnChunk, rows.column_block()) * rows.column_block();
-      at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
-        std::vector<float> tile(kRowTile * chunk);
-        std::vector<float> acc(groups * kRowTile * kLanes);
-        for (; b < end; ++b) {
-          const RowTask& task = tasks[b];
-          const int64_t last = task.row0 + task.rows;
-          for (int64_t r0 = task.row0; r0 < last; r0 += kRowTile) {
-            const int nr = static_cast<int>(std::min<int64_t>(kRowTile, last - r0));
-            // prefetched after these rows: the task's next rows (the next task's first rows are not requested)
-            const int nn = static_cast<int>(std::clamp<int64_t>(last - r0 - kRowTile, 0, kRowTile));
-            const char* here[kRowTile];
-            const char* next[kRowTile];
-            for (int i = 0; i < nr; ++i) here[i] = reinterpret_cast<const char*>(rows.row(r0 + i));
-            for (int i = 0; i < nn; ++i) next[i] = reinterpret_cast<const char*>(rows.row(r0 + kRowTile + i));
-            row_tile_by_tokens(
-                nr, [&](int i, int64_t k0, int64_t n, float* out) { rows.widen(task, r0 + i, k0, n, out); }, here,
-                next, nn, sizeof(W), xt, groups, K, chunk, tile.data(), acc.data());
-            for (int64_t j = 0; j < M; ++j)
-              for (int i = 0; i < nr; ++i)
-                op[j * N + r0 + i] = static_cast<scalar_t>(acc[((j / kLanes) * kRowTile + i) * kLanes + j % kLanes]);
-          }
-        }
-      });
+      row_tiles.template operator()<float>(
+          static_cast<const float*>(xt), ceil_div(kColumnChunk, rows.column_block()) * rows.column_block(),
+          [&](const RowTask& task, int64_t r, int64_t k0, int64_t n, float* out) { rows.widen(task, r, k0, n, out); },
+          [](const RowTask&) -> const float* { return nullptr; });
       return;
     }
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {

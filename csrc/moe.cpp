@@ -15,7 +15,8 @@
 //     flight: ~1.4x the memory floor at 16 tokens without, ~1.2x with);
 //   - from there the tile path (gemv.h's row_tile_by_tokens, as linear.cpp's): the expert's tokens across the
 //     vector lanes, a few rows at a time widened into an L1-resident float32 buffer and broadcast against them,
-//     no horizontal sums; step 1 writes h in that layout for step 2.
+//     no horizontal sums; step 1 writes h in that layout for step 2. For FP8 rows and bfloat16 tokens on a CPU with
+//     bfloat16 dot products, step 1 multiplies bfloat16 pairs (gemv.h); step 2's tokens (h) are float32.
 //
 // moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes. Below kAcrossLanesMinTokens
 // it has two forms: at most kE4m3DirectMaxTokens tokens, the direct path (tokens pre-multiplied by the row block's
@@ -115,62 +116,97 @@ at::Tensor combine_pairs(const Routing& g, const at::Tensor& y) {
 }
 
 // The experts that take the tile path (at least kAcrossLanesMinTokens tokens) and their tokens across the lanes
-// (gemv.h): x for step 1, and h, which step 1 writes in that layout for step 2. Expert e's token groups are
-// [group0[e], group0[e + 1]).
-// Both buffers are left uninitialized: tokens_across_lanes writes every value of xt (zeros past the last token)
+// (gemv.h): x for step 1, as float32 or as bfloat16 pairs (``pairs``: for bfloat16 row tiles), and h, which step 1
+// writes in the float32 layout for step 2. Expert e's token groups are [group0[e], group0[e + 1]).
+// Both buffers are left uninitialized: the layout functions write every value of xt (zeros past the last token)
 // and step 1 every value of ht (a prefill's buffers are hundreds of MB, zeroing them first was a second pass).
 struct AcrossLanes {
   std::vector<int64_t> group0;
+  bool pairs = false;
   at::Tensor xt, ht;
   const float* x_of(int64_t e, int64_t D) const { return xt.data_ptr<float>() + group0[e] * D * kLanes; }
+  uint32_t* pairs_of(int64_t e, int64_t D) const {
+    return reinterpret_cast<uint32_t*>(xt.data_ptr<int32_t>()) + group0[e] * D / 2 * kLanes;
+  }
   float* h_of(int64_t e, int64_t I) { return ht.data_ptr<float>() + group0[e] * I * kLanes; }
   int64_t groups(int64_t e) const { return group0[e + 1] - group0[e]; }
 };
 
-AcrossLanes tile_tokens(const Routing& g, int64_t I) {
+AcrossLanes tile_tokens(const Routing& g, int64_t I, bool pairs = false) {
   AcrossLanes a;
+  a.pairs = pairs;
   a.group0.assign(g.E + 1, 0);
   for (int64_t e = 0; e < g.E; ++e)
     a.group0[e + 1] = a.group0[e] + (g.count[e] >= kAcrossLanesMinTokens ? ceil_div(g.count[e], kLanes) : 0);
-  a.xt = at::empty({a.group0[g.E] * g.D * kLanes}, g.x.options());
+  a.xt = pairs ? at::empty({a.group0[g.E] * g.D / 2 * kLanes}, g.x.options().dtype(at::kInt))
+               : at::empty({a.group0[g.E] * g.D * kLanes}, g.x.options());
   a.ht = at::empty({a.group0[g.E] * I * kLanes}, g.x.options());
   const float* xp = g.x.data_ptr<float>();
   at::parallel_for(0, g.E, 1, [&](int64_t e, int64_t end) {
-    for (; e < end; ++e)
-      if (a.groups(e) > 0)
-        tokens_across_lanes([&](int64_t j) { return xp + g.token_at[g.start[e] + j] * g.D; }, g.count[e], g.D,
-                            a.xt.data_ptr<float>() + a.group0[e] * g.D * kLanes);
+    for (; e < end; ++e) {
+      if (a.groups(e) == 0) continue;
+      const auto row = [&](int64_t j) { return xp + g.token_at[g.start[e] + j] * g.D; };
+#if GLM53_AVX512
+      if (pairs) {
+        token_pairs_across_lanes(row, g.count[e], g.D, a.pairs_of(e, g.D));
+        continue;
+      }
+#endif
+      tokens_across_lanes(row, g.count[e], g.D, a.xt.data_ptr<float>() + a.group0[e] * g.D * kLanes);
+    }
   });
   return a;
 }
 
-// Step 1 on the tile path, rows [row0, last) of one expert: gate_rows gate rows and the same up rows at a time
-// (row(up, r): the row's bytes, ``elem`` a value; widen(up, r, k0, n, out): its columns [k0, k0 + n) as float32)
-// against the expert's ``groups`` token groups xe, kTilePassGroups per pass, h into he across the lanes (the lanes
-// past the last token get clamped_swiglu(0, 0) = 0). tile: kRowTile x chunk floats, acc: kTilePassGroups x
-// kRowTile x kLanes.
-template <typename Row, typename Widen>
-void swiglu_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const Widen& widen, const float* xe,
-                 int64_t groups, int64_t D, int64_t I, int64_t chunk, float limit, float* he, float* tile, float* acc) {
-  constexpr int gate_rows = std::max(1, kRowTile / 2);
+// Step 1 on the tile path, rows [row0, last) of one expert: gate and up rows (row(up, r): the row's bytes, ``elem``
+// a value; widen(up, r, k0, n, out): its columns [k0, k0 + n) into the tile) against the expert's ``groups`` token
+// groups xe, kTilePassGroups per pass, h into he across the lanes (the lanes past the last token get
+// clamped_swiglu(0, 0) = 0). Float32 tiles hold kRowTile / 2 gate rows and the same up rows; bfloat16 tiles
+// (token pairs, gemv.h) hold kRowTile gate rows, then kRowTile up rows, since each tile takes one row block's
+// scales (scales(up): the gate's or the up block row's). tile: kRowTile x chunk values, acc: kTilePassGroups x
+// kRowTile x kLanes floats (twice that for bfloat16 tiles).
+template <typename Tile, typename Tokens, typename Row, typename Widen, typename Scales>
+void swiglu_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const Widen& widen, const Scales& scales,
+                 const Tokens* xe, int64_t groups, int64_t D, int64_t I, int64_t chunk, float limit, float* he,
+                 Tile* tile, float* acc) {
+  constexpr bool separate = !std::is_same_v<Tile, float>;
+  constexpr int gate_rows = separate ? kRowTile : std::max(1, kRowTile / 2);
+  constexpr int64_t cols = separate ? 2 : 1;  // token columns per 32-bit lane of xe
+  float* acc_up = separate ? acc + kTilePassGroups * kRowTile * kLanes : acc;
   for (int64_t p0 = 0; p0 < groups; p0 += kTilePassGroups) {
     const int64_t pg = std::min(kTilePassGroups, groups - p0);
+    const Tokens* xp = xe + p0 * D / cols * kLanes;
     for (int64_t r0 = row0; r0 < last; r0 += gate_rows) {
       const int nh = static_cast<int>(std::min<int64_t>(gate_rows, last - r0));
       const int nn = static_cast<int>(std::clamp<int64_t>(last - r0 - gate_rows, 0, gate_rows));
-      const char* here[kRowTile];
-      const char* next[kRowTile];
-      for (int i = 0; i < nh; ++i) here[i] = row(false, r0 + i), here[nh + i] = row(true, r0 + i);
+      const char* gate[kRowTile];
+      const char* up[kRowTile];
+      const char* next[2 * kRowTile];
+      for (int i = 0; i < nh; ++i) gate[i] = row(false, r0 + i), up[i] = row(true, r0 + i);
       for (int i = 0; i < nn; ++i)
         next[i] = row(false, r0 + gate_rows + i), next[nn + i] = row(true, r0 + gate_rows + i);
-      row_tile_by_tokens(
-          2 * nh, [&](int i, int64_t k0, int64_t n, float* out) { widen(i >= nh, r0 + i % nh, k0, n, out); }, here,
-          next, 2 * nn, elem, xe + p0 * D * kLanes, pg, D, chunk, tile, acc);
+      int up_at = nh;  // where row i's up sums are: acc_up + (q * kRowTile + up_at + i) * kLanes
+      if constexpr (separate) {
+        row_tile_by_tokens(
+            nh, [&](int i, int64_t k0, int64_t n, Tile* out) { widen(false, r0 + i, k0, n, out); }, gate, up, nh,
+            elem, xp, scales(false), pg, D, chunk, tile, acc);
+        row_tile_by_tokens(
+            nh, [&](int i, int64_t k0, int64_t n, Tile* out) { widen(true, r0 + i, k0, n, out); }, up, next, nn,
+            elem, xp, scales(true), pg, D, chunk, tile, acc_up);
+        up_at = 0;
+      } else {
+        const char* both[kRowTile];
+        for (int i = 0; i < nh; ++i) both[i] = gate[i], both[nh + i] = up[i];
+        row_tile_by_tokens(
+            2 * nh, [&](int i, int64_t k0, int64_t n, Tile* out) { widen(i >= nh, r0 + i % nh, k0, n, out); }, both,
+            next, 2 * nn, elem, xp, nullptr, pg, D, chunk, tile, acc);
+      }
       for (int64_t q = 0; q < pg; ++q)
         for (int i = 0; i < nh; ++i) {
           const float* ag = acc + (q * kRowTile + i) * kLanes;
+          const float* au = acc_up + (q * kRowTile + up_at + i) * kLanes;
           float* dst = he + ((p0 + q) * I + r0 + i) * kLanes;
-          for (int l = 0; l < kLanes; ++l) dst[l] = clamped_swiglu(ag[l], ag[nh * kLanes + l], limit);
+          for (int l = 0; l < kLanes; ++l) dst[l] = clamped_swiglu(ag[l], au[l], limit);
         }
     }
   }
@@ -193,7 +229,7 @@ void down_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const W
       for (int i = 0; i < nn; ++i) next[i] = row(r0 + kRowTile + i);
       row_tile_by_tokens(
           nr, [&](int i, int64_t k0, int64_t n, float* out) { widen(r0 + i, k0, n, out); }, here, next, nn, elem,
-          he + p0 * I * kLanes, pg, I, chunk, tile, acc);
+          he + p0 * I * kLanes, nullptr, pg, I, chunk, tile, acc);
       for (int64_t q = 0; q < pg; ++q) {
         const int64_t j0 = (p0 + q) * kLanes, n = std::min<int64_t>(kLanes, tokens - j0);
         for (int64_t l = 0; l < n; ++l)
@@ -243,8 +279,8 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
               task.row0, task.row0 + task.rows,
               [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); }, sizeof(scalar_t),
               [&](bool up, int64_t r, int64_t k0, int64_t n, float* out) { to_float(row(up, r) + k0, out, n); },
-              lanes.x_of(task.expert, D), lanes.groups(task.expert), D, I, kColumnChunk, limit,
-              lanes.h_of(task.expert, I), tile.data(), tile_acc.data());
+              [](bool) -> const float* { return nullptr; }, lanes.x_of(task.expert, D), lanes.groups(task.expert), D,
+              I, kColumnChunk, limit, lanes.h_of(task.expert, I), tile.data(), tile_acc.data());
           continue;
         }
         for (int64_t c0 = start[task.expert]; c0 < start[task.expert + 1]; c0 += x_chunk) {
@@ -343,7 +379,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   const float *s13p = w13_scale.data_ptr<float>(), *s2p = w2_scale.data_ptr<float>();
   const int64_t s13e = w13.stride(0), s13r = w13.stride(1), s2e = w2.stride(0), s2r = w2.stride(1);
 
-  AcrossLanes lanes = tile_tokens(g, I);
+  // bfloat16 tokens on a CPU with bfloat16 dot products: step 1's tiles multiply bfloat16 pairs (gemv.h); step 2's
+  // tokens, h, are float32 (rounding them to bfloat16 would change the results), so it keeps float32 tiles.
+  AcrossLanes lanes = tile_tokens(g, I, bf16_pair_tiles(x_.scalar_type(), D));
   const int64_t chunk = ceil_div(kColumnChunk, block_k) * block_k;  // tile columns: whole scale blocks
 
   // 1. h = clamped_swiglu(W13_e x): a task's rows lie in one gate row block and the same up row block.
@@ -351,7 +389,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
     // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row
     std::vector<float> buf(2 * kE4m3DirectMaxTokens * D);
-    std::vector<float> tile(kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
+    std::vector<float> tile(kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
+    std::vector<c10::BFloat16> tile16(lanes.pairs ? kRowTile * block_k : 0);
     float acc_gate[2][kE4m3DirectMaxTokens], acc_up[2][kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
     for (; b < end; ++b) {
@@ -406,14 +445,27 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         }
         continue;
       }
+      const auto row = [&](bool up, int64_t r) { return we + ((up ? I : 0) + r) * s13r; };
+      const auto bytes = [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); };
+#if GLM53_AVX512
+      if (lanes.pairs) {
+        swiglu_tile(
+            task.row0, last, bytes, 1,
+            [&](bool up, int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) {
+              e4m3_to_bf16(row(up, r) + k0, n, out);
+            },
+            [&](bool up) { return up ? up_scale : gate_scale; }, lanes.pairs_of(e, D), lanes.groups(e), D, I, block_k,
+            limit, lanes.h_of(e, I), tile16.data(), acc.data());
+        continue;
+      }
+#endif
       swiglu_tile(
-          task.row0, last,
-          [&](bool up, int64_t r) { return reinterpret_cast<const char*>(we + ((up ? I : 0) + r) * s13r); }, 1,
+          task.row0, last, bytes, 1,
           [&](bool up, int64_t r, int64_t k0, int64_t n, float* out) {
-            dequantize_row(we + ((up ? I : 0) + r) * s13r + k0, (up ? up_scale : gate_scale) + k0 / block_k, n,
-                           block_k, out);
+            dequantize_row(row(up, r) + k0, (up ? up_scale : gate_scale) + k0 / block_k, n, block_k, out);
           },
-          lanes.x_of(e, D), lanes.groups(e), D, I, chunk, limit, lanes.h_of(e, I), tile.data(), acc.data());
+          [](bool) -> const float* { return nullptr; }, lanes.x_of(e, D), lanes.groups(e), D, I, chunk, limit,
+          lanes.h_of(e, I), tile.data(), acc.data());
     }
   });
 

@@ -47,7 +47,13 @@ void fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, at::IntAr
                     int64_t block_k, at::Tensor& out);
 
 // "<isa> torch <version>": what this library was built for, checked by the loader and shown in its log line.
-std::string build_info() { return std::string(isa_name()) + " torch " + TORCH_VERSION; }
+std::string build_info() {
+  std::string info = std::string(isa_name()) + " torch " + TORCH_VERSION;
+#if GLM53_AVX512
+  if (has_bf16_dot()) info += ", bfloat16 dot products";
+#endif
+  return info;
+}
 
 }  // namespace glm53
 

@@ -163,6 +163,23 @@ inline F16 exp(F16 x) {
   return {_mm512_scalef_ps(p, n)};
 }
 
+// bfloat16 pairs: 16 32-bit lanes of two bfloat16 values each (the lower column in the low half). On CPUs with
+// AVX512_BF16, vdpbf16ps adds both products of each lane's pair to a float32 lane (products exact, two roundings:
+// the odd column's product first, inputs and results below 2^-126 flushed to zero), 32 products per instruction
+// against the float32 FMA's 16. Not part of the avx512 flags the library is built with: the function that uses it
+// is compiled for it on its own (GLM53_BF16_DOT), and has_bf16_dot() says at run time whether it may be called.
+#if defined(GLM53_EMULATED_AVX512)
+#define GLM53_BF16_DOT
+inline bool has_bf16_dot() { return true; }  // the emulation's own instruction (tests/avx512_emulation.h)
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) { return glm53_emulation::dpbf16_ps(acc, a, b); }
+#else
+#define GLM53_BF16_DOT __attribute__((target("avx512bf16")))
+inline bool has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
+GLM53_BF16_DOT inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+#endif
+
 #elif GLM53_AVX2
 
 inline const char* isa_name() { return "avx2"; }

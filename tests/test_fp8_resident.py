@@ -18,14 +18,16 @@ engine starts that were there already.
 
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_isas import ops, other_isas, rerun_on
+from kernel_isas import EMULATION_ENV, ISA, ops, other_isas, rerun_on
 from test_cpu_kernels import F32_ULPS, _close, _gen
 from vllm_glm53.backends import dispatch
+from vllm_glm53.backends.cpu import build
 from vllm_glm53.backends.cpu import fp8 as fp8_ops
 from vllm_glm53.backends.cpu import moe
 from vllm_glm53.quant.fp8_block import quantize_block_fp8
@@ -121,18 +123,30 @@ def test_fp8_linear_matches_dequantize_then_matmul(parts, K, M):
     _close(got, want, ulps=16)
 
 
-@pytest.mark.parametrize("M", [1, 16])
-def test_fp8_linear_in_bfloat16(M):
-    """bfloat16 activations: computed in float32 from the exact weights, rounded once to bfloat16."""
-    gen = _gen(7 + M)
-    parts, K = [200, 200], 320
+# (parts, K): fused ragged parts; a K inside one ragged block; two column blocks, the second ragged; an odd K (no
+# column pairs: the float32 tile path everywhere)
+@pytest.mark.parametrize("parts,K", [([200, 200], 320), ([72, 128, 40], 100), ([200], 700), ([200], 99)])
+@pytest.mark.parametrize("M", [1, 16, 40])  # direct; tile (one token group; three, the last partly empty)
+def test_fp8_linear_in_bfloat16(parts, K, M):
+    """bfloat16 activations: computed in float32 from the exact weights, rounded once to bfloat16. Where the CPU has
+    bfloat16 dot products the tile path multiplies the E4M3 values as bfloat16 with token pairs, one column block
+    at a time (csrc/gemv.h): the products are still exact."""
+    gen = _gen(7 + M + K)
     weight, scale = _fused(parts, K, gen)
     x = torch.randn(M, K, generator=gen).bfloat16()
     got = ops.fp8_linear(x, weight, scale, parts, *BLOCK)
     assert got.dtype == torch.bfloat16
     want = fp8_ops.fp8_linear_torch(x.float(), weight, scale, parts, BLOCK)
-    # measured (ulps of max|reference|, in bfloat16 ulps, avx2 / portable): 0 / 0 (one rounding of nearly equal sums)
+    # measured (ulps of max|reference|, in bfloat16 ulps, avx2 / portable / avx512 with bfloat16 dot products):
+    # 0.06 / 0 / 0.01 (one rounding of nearly equal sums)
     _close(got, want.bfloat16(), ulps=2)
+
+
+def test_bfloat16_dot_products_where_the_cpu_has_them():
+    """The avx512 kernels say whether they use the CPU's bfloat16 dot products (the emulated rerun's instruction
+    always does): a CPU that has them must not lose the tile path that uses them, and no other may run it."""
+    has = ISA == "avx512" and ("avx512_bf16" in build.cpu_flags() or bool(os.environ.get(EMULATION_ENV)))
+    assert ("bfloat16 dot products" in ops.build_info()) == has
 
 
 def test_fp8_linear_rejects_a_scale_grid_that_does_not_fit_the_parts():
@@ -207,13 +221,15 @@ def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
     assert (g[:, :inter] > SWIGLU_LIMIT).any() and (g[:, inter:].abs() > SWIGLU_LIMIT).any()
 
 
-def test_fp8_experts_bfloat16_tokens():
-    gen = _gen(11)
+@pytest.mark.parametrize("T", [5, 40])  # direct and few-token paths; tokens across the lanes (bfloat16 pairs where
+def test_fp8_experts_bfloat16_tokens(T):  # the CPU has bfloat16 dot products: the gate and up rows, csrc/moe.cpp)
+    gen = _gen(11 + T)
     w13, s13, w2, s2 = _expert_stacks(320, 200, gen)
-    ids, weights = _routing(5, 2, gen)
-    x = (4 * torch.randn(5, 320, generator=gen)).bfloat16()
+    ids, weights = _routing(T, 2, gen)
+    x = (4 * torch.randn(T, 320, generator=gen)).bfloat16()
     got = ops.moe_experts_fp8(x, w13, s13, w2, s2, ids.int(), weights, SWIGLU_LIMIT, *BLOCK)
-    # measured (float32 ulps of max|float64 reference|, avx2 / portable): 5.9 / 5.2
+    # measured (float32 ulps of max|float64 reference|, avx2 / portable / avx512 with bfloat16 dot products, also
+    # emulated): 6.5 / 5.7 / 6.5 at T = 5, 5.9 / 6.2 / 2.6 at T = 40
     _close(got.double(), _experts_reference(x.float(), w13, s13, w2, s2, ids, weights), ulps=F32_ULPS * 40)
 
 

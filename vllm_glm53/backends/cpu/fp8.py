@@ -80,11 +80,13 @@ def fp8_weight_form_torch(block: tuple[int, int]) -> str:
 
 # Tokens from which a bfloat16 model's FP8 products run as bfloat16 GEMMs on dequantized copies, where the CPU has
 # native bfloat16 arithmetic. The copy is written to memory and read back, so the E4M3 kernels stay ahead of small
-# batches. Measured on 2 cores of an AMD EPYC Zen 5 (AVX512_BF16), caches flushed, bf16_gemm's time / the
-# kernel's: a 12288 x 4096 linear 3.3 / 1.6 / 1.16 / 0.72 / 0.27 at 4 / 16 / 32 / 64 / 256 tokens; 8 experts of
-# the released size, top-2, 3.6 / 1.8 / 1.34 / 1.01 / 0.76 at 4 / 8 / 16 / 32 / 64 pairs per expert.
+# batches. bf16_gemm's time / the kernel's, caches flushed, 2 cores: a 12288 x 4096 linear on an AMD EPYC Zen 5
+# 3.3 / 1.6 / 1.16 / 0.72 / 0.27 at 4 / 16 / 32 / 64 / 256 tokens (float32 tiles); on a Zen 4, whose kernels multiply
+# bfloat16 pairs (csrc/gemv.h), 1.66 / 1.26 / 0.95-1.11 / 0.99-1.13 / 0.37 at 16 / 32 / 40-48 / 64 / 256. 8 experts
+# of the released size, top-2: Zen 5 3.6 / 1.8 / 1.34 / 1.01 / 0.76 at 4 / 8 / 16 / 32 / 64 pairs per expert; Zen 4
+# with bfloat16 pairs 1.07-1.28 / 0.96-1.05 / 1.08-1.15 / 0.98-1.03 at 24-32 / 40 / 48 / 64.
 BF16_GEMM_MIN_TOKENS = 48  # dense linears: tokens of the call
-BF16_GEMM_MIN_PAIRS = 40  # routed experts: mean (token, choice) pairs per expert
+BF16_GEMM_MIN_PAIRS = 64  # routed experts: mean (token, choice) pairs per expert
 
 _scratch: dict[str, torch.Tensor] = {}
 
