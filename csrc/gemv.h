@@ -8,7 +8,9 @@
 // Block FP8 (weight[n, k] = float(e4m3[n, k]) * scale[n / bn, k / bk]) is computed two ways:
 //   direct  for a few tokens: the token rows are multiplied by one row block's scales (scale_by_blocks), then
 //           dotted with the E4M3 rows as they stream in (vec.h's E4M3 load), so every weight byte is read once
-//           and converted once (dot_rows); nothing is written but the results.
+//           and converted once (dot_rows); nothing is written but the results. Two or more bfloat16 tokens on a
+//           CPU with bfloat16 dot products: the token rows as they are against the E4M3 values as bfloat16, each
+//           column block's sums times its scale (dot_rows_pairs).
 //   tile    for more tokens: the tokens lie across the vector lanes and a few rows at a time, dequantized a chunk
 //           of columns at a time into an L1-resident float32 buffer (dequantize_row), are broadcast against
 //           them (rows_by_tokens, below), so the conversion is paid once per weight value and pass. bfloat16
@@ -221,6 +223,65 @@ inline void e4m3_to_bf16(const E4m3* w, int64_t n, c10::BFloat16* out) {
   }
 }
 
+// The direct path on bfloat16 pairs: acc[r][j] = sum over the column blocks b of (block_scales[b] * 2^8) * (sum over
+// b's columns of rows[r] (E4M3 as bfloat16 values * 2^-8) * xs[j]) for R rows and N bfloat16 token rows: no scaled
+// copy of the tokens, each weight converted once for all N tokens and multiplied in pairs. Each block's sums are
+// kept apart (t) and added to the total scaled (s): 2 R N accumulators. ``ahead`` as in dot_block.
+template <int R, int N, int A>
+[[gnu::noinline]] GLM53_BF16_DOT void dot_block_pairs(const E4m3* const* rows, const E4m3* const* ahead,
+                                                      const c10::BFloat16* const* xs, const float* block_scales,
+                                                      int64_t len, int64_t bk, float (*acc)[A]) {
+  static_assert(N <= A);
+  __m512 s[R][N], t[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < N; ++j) s[r][j] = _mm512_setzero_ps();
+  for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < N; ++j) t[r][j] = _mm512_setzero_ps();
+    const int64_t b1 = std::min(b0 + bk, len);
+    for (int64_t i = b0; i < b1; i += 2 * kLanes) {
+      const int m = static_cast<int>(std::min<int64_t>(2 * kLanes, b1 - i));
+      if (ahead != nullptr)
+        for (int r = 0; r < R; ++r) __builtin_prefetch(ahead[r] + i);
+      __m512i w[R];
+      for (int r = 0; r < R; ++r) w[r] = load_pairs(rows[r] + i, m);
+      for (int j = 0; j < N; ++j) {
+        const __m512i xv = load_pairs(xs[j] + i, m);
+        for (int r = 0; r < R; ++r) t[r][j] = dot_pairs(t[r][j], w[r], xv);
+      }
+    }
+    const __m512 sc = _mm512_set1_ps(block_scales[kb] * 0x1p8f);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < N; ++j) s[r][j] = _mm512_fmadd_ps(t[r][j], sc, s[r][j]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < N; ++j) acc[r][j] = reduce_add(F16{s[r][j]});
+}
+
+template <int R, int N = kTok, int A>
+inline void dot_tokens_pairs(const E4m3* const* rows, const E4m3* const* ahead, const c10::BFloat16* const* xs, int n,
+                             const float* block_scales, int64_t len, int64_t bk, float (*acc)[A]) {
+  if constexpr (N > 1)
+    if (n < N) return dot_tokens_pairs<R, N - 1>(rows, ahead, xs, n, block_scales, len, bk, acc);
+  dot_block_pairs<R, N>(rows, ahead, xs, block_scales, len, bk, acc);
+}
+
+// dot_rows on bfloat16 pairs: 1 or 2 E4M3 rows of one row block (block_scales: its scale row, bk: the column block)
+// against n <= kE4m3DirectMaxTokens bfloat16 token rows; one row at a time against all of them past kTok tokens.
+template <int A>
+inline void dot_rows_pairs(const E4m3* const* rows, const E4m3* const* ahead, int nr, const c10::BFloat16* const* xs,
+                           int n, const float* block_scales, int64_t len, int64_t bk, float (*acc)[A]) {
+  if (n > kTok) {
+    for (int r = 0; r < nr; ++r)
+      dot_tokens_pairs<1, kE4m3DirectMaxTokens>(rows + r, ahead != nullptr ? ahead + r : nullptr, xs, n, block_scales,
+                                                len, bk, acc + r);
+  } else if (nr == 2) {
+    dot_tokens_pairs<2>(rows, ahead, xs, n, block_scales, len, bk, acc);
+  } else {
+    dot_tokens_pairs<1>(rows, ahead, xs, n, block_scales, len, bk, acc);
+  }
+}
+
 // acc[r] = (acc[r] if ``accumulate``) + scale * sum_k rows[r * ld + k] * token k, for R bfloat16 rows against token
 // pairs xp over ``len`` columns (even); ``ahead`` as in rows_by_tokens.
 template <int R>
@@ -259,9 +320,9 @@ inline void rows_by_token_pairs_n(int nr, const c10::BFloat16* rows, int64_t ld,
 }
 #endif
 
-// Whether block-FP8 row tiles take the bfloat16 pairs above for tokens of dtype ``tokens`` and K columns: an
-// avx512 build on a CPU with bfloat16 dot products, bfloat16 tokens (exact as bfloat16), K even.
-inline bool bf16_pair_tiles(at::ScalarType tokens, int64_t K) {
+// Whether block-FP8 products take the bfloat16 pairs above (direct path and tiles) for tokens of dtype ``tokens``
+// and K columns: an avx512 build on a CPU with bfloat16 dot products, bfloat16 tokens (exact as bfloat16), K even.
+inline bool bf16_pairs(at::ScalarType tokens, int64_t K) {
 #if GLM53_AVX512
   return tokens == at::kBFloat16 && K % 2 == 0 && has_bf16_dot();
 #else

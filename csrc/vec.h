@@ -168,17 +168,35 @@ inline F16 exp(F16 x) {
 // the odd column's product first, inputs and results below 2^-126 flushed to zero), 32 products per instruction
 // against the float32 FMA's 16. Not part of the avx512 flags the library is built with: the function that uses it
 // is compiled for it on its own (GLM53_BF16_DOT), and has_bf16_dot() says at run time whether it may be called.
+// bf16_pack(lo, hi): 32 float32 values (16 in each) as bfloat16, in order, rounded to nearest even.
 #if defined(GLM53_EMULATED_AVX512)
 #define GLM53_BF16_DOT
 inline bool has_bf16_dot() { return true; }  // the emulation's own instruction (tests/avx512_emulation.h)
 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) { return glm53_emulation::dpbf16_ps(acc, a, b); }
+inline __m512i bf16_pack(__m512 lo, __m512 hi) { return glm53_emulation::cvtne2ps_pbh(hi, lo); }
 #else
 #define GLM53_BF16_DOT __attribute__((target("avx512bf16")))
 inline bool has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
 GLM53_BF16_DOT inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
+GLM53_BF16_DOT inline __m512i bf16_pack(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
 #endif
+
+inline __mmask32 lane_mask32(int n) { return n >= 32 ? ~__mmask32(0) : __mmask32((1u << n) - 1u); }
+// 32 bfloat16 values (the first n; the rest read as zero) for dot_pairs.
+inline __m512i load_pairs(const c10::BFloat16* p, int n) {
+  return n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(lane_mask32(n), p);
+}
+// 32 E4M3 bytes (the first n; the rest zero) as the bfloat16 values of value * 2^-8, in order, for dot_pairs: the
+// float16 bits of E4m3's load, widened to float32 and packed to bfloat16 (exact: at most four significant bits).
+GLM53_BF16_DOT inline __m512i load_pairs(const E4m3* p, int n) {
+  const __m256i b = n >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                            : _mm256_maskz_loadu_epi8(lane_mask32(n), p);
+  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(b), 7),
+                                     _mm512_set1_epi16(static_cast<short>(0xBF80)));
+  return bf16_pack(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+}
 
 #elif GLM53_AVX2
 

@@ -52,6 +52,10 @@ inline void mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a) { masked_st
 inline __m256i maskz_loadu_epi16(simde__mmask16 k, const void* p) { return masked_load<__m256i, uint16_t, 16>(k, p); }
 inline void mask_storeu_epi16(void* p, simde__mmask16 k, __m256i a) { masked_store<uint16_t, 16>(p, k, a); }
 inline __m128i maskz_loadu_epi8(simde__mmask16 k, const void* p) { return masked_load<__m128i, uint8_t, 16>(k, p); }
+inline simde__m512i maskz_loadu_epi16_512(simde__mmask32 k, const void* p) {
+  return masked_load<simde__m512i, uint16_t, 32>(k, p);
+}
+inline __m256i maskz_loadu_epi8_256(simde__mmask32 k, const void* p) { return masked_load<__m256i, uint8_t, 32>(k, p); }
 
 inline __m256 extractf32x8_ps(simde__m512 a, int half) {
   float f[16];
@@ -117,6 +121,20 @@ inline simde__m512 dpbf16_ps(simde__m512 acc, simde__m512i a, simde__m512i b) {
   return lanes_to<simde__m512>(s);
 }
 
+// vcvtne2ps2bf16: the 16 values of b, then the 16 of a, as bfloat16 (round to nearest even; no NaNs here).
+inline simde__m512i cvtne2ps_pbh(simde__m512 a, simde__m512 b) {
+  float f[32];
+  uint16_t h[32];
+  lanes_of(b, reinterpret_cast<float(&)[16]>(f[0]));
+  lanes_of(a, reinterpret_cast<float(&)[16]>(f[16]));
+  for (int i = 0; i < 32; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &f[i], sizeof(bits));
+    h[i] = static_cast<uint16_t>((bits + 0x7FFFu + (bits >> 16 & 1u)) >> 16);
+  }
+  return lanes_to<simde__m512i>(h);
+}
+
 }  // namespace glm53_emulation
 
 #define _mm512_maskz_loadu_ps(k, p) glm53_emulation::maskz_loadu_ps(k, p)
@@ -124,6 +142,8 @@ inline simde__m512 dpbf16_ps(simde__m512 acc, simde__m512i a, simde__m512i b) {
 #define _mm256_maskz_loadu_epi16(k, p) glm53_emulation::maskz_loadu_epi16(k, p)
 #define _mm256_mask_storeu_epi16(p, k, a) glm53_emulation::mask_storeu_epi16(p, k, a)
 #define _mm_maskz_loadu_epi8(k, p) glm53_emulation::maskz_loadu_epi8(k, p)
+#define _mm512_maskz_loadu_epi16(k, p) glm53_emulation::maskz_loadu_epi16_512(k, p)
+#define _mm256_maskz_loadu_epi8(k, p) glm53_emulation::maskz_loadu_epi8_256(k, p)
 #define _mm512_extractf32x8_ps(a, half) glm53_emulation::extractf32x8_ps(a, half)
 #define _mm512_cvtepu16_epi32(a) glm53_emulation::cvtepu16_epi32(a)
 #define _mm512_cvtepi32_epi16(a) glm53_emulation::cvtepi32_epi16(a)

@@ -126,11 +126,13 @@ def test_fp8_linear_matches_dequantize_then_matmul(parts, K, M):
 # (parts, K): fused ragged parts; a K inside one ragged block; two column blocks, the second ragged; an odd K (no
 # column pairs: the float32 tile path everywhere)
 @pytest.mark.parametrize("parts,K", [([200, 200], 320), ([72, 128, 40], 100), ([200], 700), ([200], 99)])
-@pytest.mark.parametrize("M", [1, 16, 40])  # direct; tile (one token group; three, the last partly empty)
+# direct (row pairs against up to kTok tokens; one row alone against more; bfloat16 pairs from 2 tokens where the
+# CPU has bfloat16 dot products); tile (one token group; three, the last partly empty)
+@pytest.mark.parametrize("M", [1, 3, 6, 16, 40])
 def test_fp8_linear_in_bfloat16(parts, K, M):
     """bfloat16 activations: computed in float32 from the exact weights, rounded once to bfloat16. Where the CPU has
-    bfloat16 dot products the tile path multiplies the E4M3 values as bfloat16 with token pairs, one column block
-    at a time (csrc/gemv.h): the products are still exact."""
+    bfloat16 dot products both paths multiply the E4M3 values as bfloat16 with the tokens in pairs of columns, each
+    column block's sums times its scale (csrc/gemv.h): the products are still exact."""
     gen = _gen(7 + M + K)
     weight, scale = _fused(parts, K, gen)
     x = torch.randn(M, K, generator=gen).bfloat16()
@@ -221,8 +223,11 @@ def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
     assert (g[:, :inter] > SWIGLU_LIMIT).any() and (g[:, inter:].abs() > SWIGLU_LIMIT).any()
 
 
-@pytest.mark.parametrize("T", [5, 40])  # direct and few-token paths; tokens across the lanes (bfloat16 pairs where
-def test_fp8_experts_bfloat16_tokens(T):  # the CPU has bfloat16 dot products: the gate and up rows, csrc/moe.cpp)
+# Tokens per expert: T = 5: 0-4 (direct); 8: 2-6 (direct, one row alone past kTok; few-token path on portable); 40:
+# 10-37 (across the lanes). Where the CPU has bfloat16 dot products the gate and up rows take bfloat16 pairs on the
+# direct and tile paths (csrc/moe.cpp).
+@pytest.mark.parametrize("T", [5, 8, 40])
+def test_fp8_experts_bfloat16_tokens(T):
     gen = _gen(11 + T)
     w13, s13, w2, s2 = _expert_stacks(320, 200, gen)
     ids, weights = _routing(T, 2, gen)
