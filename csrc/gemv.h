@@ -191,13 +191,15 @@ inline void rows_by_tokens_n(int nr, const float* rows, int64_t ld, const float*
 }
 
 #if GLM53_AVX512
-// ---- bfloat16 pairs across the lanes (CPUs with AVX512_BF16) ---------------------------------------------
-// The tile path for block-FP8 rows and bfloat16 tokens (a bfloat16 model's products) on vec.h's dot_pairs: every
-// E4M3 value is a bfloat16 value, so the rows are widened to bfloat16 exactly (value * 2^-8, unscaled), the tokens
-// (bfloat16 already) lie in pairs of columns across the lanes, and each broadcast weight pair and token load feed
-// two exact products per lane, twice the float32 FMA's. A chunk is one column block: its sums are multiplied by
-// the block's scale as they are added to the previous blocks' (the row tile lies in one row block), so the weights
-// are the exact ones, as on the float32 tile path.
+// ---- bfloat16 pairs (CPUs with AVX512_BF16) ----------------------------------------------------------------
+// Block-FP8 rows and bfloat16 tokens (a bfloat16 model's products) on vec.h's dot_pairs: every E4M3 value is a
+// bfloat16 value, so the rows are read as bfloat16 exactly (value * 2^-8, unscaled) and multiplied with the tokens
+// (bfloat16 already) two columns at a time, two exact products per lane and instruction, twice the float32 FMA's.
+// Each column block's sums are multiplied by the block's scale as they are added to the previous blocks' (the
+// rows lie in one row block), so the weights are the exact ones, as on the float32 paths. The direct path
+// (dot_rows_pairs) streams the rows against the token rows as they are; the tile path (rows_by_token_pairs)
+// widens a column block of kRowTile rows into L1 and broadcasts its pairs against the tokens laid across the
+// lanes in pairs of columns.
 
 // xp[(g * K / 2 + p) * kLanes + lane]: token (g * kLanes + lane)'s columns 2p (low half) and 2p + 1 as bfloat16
 // (rounded to nearest even: exact for bfloat16 tokens), zero past the last token. K even.
