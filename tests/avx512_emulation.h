@@ -56,6 +56,7 @@ inline simde__m512i maskz_loadu_epi16_512(simde__mmask32 k, const void* p) {
   return masked_load<simde__m512i, uint16_t, 32>(k, p);
 }
 inline __m256i maskz_loadu_epi8_256(simde__mmask32 k, const void* p) { return masked_load<__m256i, uint8_t, 32>(k, p); }
+inline void mask_storeu_epi16_512(void* p, simde__mmask32 k, simde__m512i a) { masked_store<uint16_t, 32>(p, k, a); }
 
 inline __m256 extractf32x8_ps(simde__m512 a, int half) {
   float f[16];
@@ -144,6 +145,7 @@ inline simde__m512i cvtne2ps_pbh(simde__m512 a, simde__m512 b) {
 #define _mm_maskz_loadu_epi8(k, p) glm53_emulation::maskz_loadu_epi8(k, p)
 #define _mm512_maskz_loadu_epi16(k, p) glm53_emulation::maskz_loadu_epi16_512(k, p)
 #define _mm256_maskz_loadu_epi8(k, p) glm53_emulation::maskz_loadu_epi8_256(k, p)
+#define _mm512_mask_storeu_epi16(p, k, a) glm53_emulation::mask_storeu_epi16_512(p, k, a)
 #define _mm512_extractf32x8_ps(a, half) glm53_emulation::extractf32x8_ps(a, half)
 #define _mm512_cvtepu16_epi32(a) glm53_emulation::cvtepu16_epi32(a)
 #define _mm512_cvtepi32_epi16(a) glm53_emulation::cvtepi32_epi16(a)
