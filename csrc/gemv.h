@@ -284,12 +284,13 @@ inline void dot_rows_pairs(const E4m3* const* rows, const E4m3* const* ahead, in
 }
 
 // acc[r] = (acc[r] if ``accumulate``) + scale * sum_k rows[r * ld + k] * token k, for R bfloat16 rows against token
-// pairs xp over ``len`` columns (even); ``ahead`` as in rows_by_tokens.
-template <int R>
-[[gnu::noinline]] GLM53_BF16_DOT void rows_by_token_pairs(const c10::BFloat16* rows, int64_t ld, const uint32_t* xp,
+// pairs xp over ``len`` columns (even); ``ahead`` as in rows_by_tokens. LD > 0: ld is LD, known when compiled.
+template <int R, int64_t LD = 0>
+[[gnu::noinline]] GLM53_BF16_DOT void rows_by_token_pairs(const c10::BFloat16* rows, int64_t ld_, const uint32_t* xp,
                                                           int64_t len, float scale, bool accumulate,
                                                           const char* const* ahead, int64_t ahead_bytes,
                                                           float (*acc)[kLanes]) {
+  const int64_t ld = LD > 0 ? LD : ld_;
   __m512 s[R];
   for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
   const int64_t lines = ahead != nullptr ? ceil_div(ahead_bytes, 64) : 0;
@@ -317,6 +318,11 @@ inline void rows_by_token_pairs_n(int nr, const c10::BFloat16* rows, int64_t ld,
   if constexpr (R > 1)
     if (nr < R)
       return rows_by_token_pairs_n<R - 1>(nr, rows, ld, xp, len, scale, accumulate, ahead, ahead_bytes, acc);
+  // A full tile of 128-column blocks (the released checkpoints'): with the stride known, the rows' pairs are
+  // offsets from one pointer instead of R pointers (more than the general-purpose registers: some were reloaded
+  // from the stack every column pair), 3-7% faster per token group (Zen 5).
+  if constexpr (R == kRowTile)
+    if (ld == 128) return rows_by_token_pairs<R, 128>(rows, ld, xp, len, scale, accumulate, ahead, ahead_bytes, acc);
   rows_by_token_pairs<R>(rows, ld, xp, len, scale, accumulate, ahead, ahead_bytes, acc);
 }
 #endif

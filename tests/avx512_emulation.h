@@ -122,20 +122,6 @@ inline simde__m512 dpbf16_ps(simde__m512 acc, simde__m512i a, simde__m512i b) {
   return lanes_to<simde__m512>(s);
 }
 
-// vcvtne2ps2bf16: the 16 values of b, then the 16 of a, as bfloat16 (round to nearest even; no NaNs here).
-inline simde__m512i cvtne2ps_pbh(simde__m512 a, simde__m512 b) {
-  float f[32];
-  uint16_t h[32];
-  lanes_of(b, reinterpret_cast<float(&)[16]>(f[0]));
-  lanes_of(a, reinterpret_cast<float(&)[16]>(f[16]));
-  for (int i = 0; i < 32; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &f[i], sizeof(bits));
-    h[i] = static_cast<uint16_t>((bits + 0x7FFFu + (bits >> 16 & 1u)) >> 16);
-  }
-  return lanes_to<simde__m512i>(h);
-}
-
 }  // namespace glm53_emulation
 
 #define _mm512_maskz_loadu_ps(k, p) glm53_emulation::maskz_loadu_ps(k, p)

@@ -62,22 +62,25 @@ def _fused(parts: list[int], k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("M", [1, 9, 33, 256])  # direct; tile; tile (avx2, avx512) / panels (portable); panels
-def test_every_e4m3_code_converts_exactly(M):
-    """All 256 codes (subnormals, both zeros, the largest +-448), through both kernel paths: one-hot tokens pick
-    one column of a weight holding every code, scale 1. e4m3fn's two NaN codes read as +-480 (csrc/vec.h)."""
+# direct; direct (bfloat16 pairs where the CPU has them); tile; tile (avx2, avx512) / panels (portable); panels
+@pytest.mark.parametrize("M", [1, 4, 9, 33, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_every_e4m3_code_converts_exactly(M, dtype):
+    """All 256 codes (subnormals, both zeros, the largest +-448), through every kernel path, bfloat16 tokens'
+    included (their E4M3 values read as bfloat16): one-hot tokens pick one column of a weight holding every code,
+    scale 1. e4m3fn's two NaN codes read as +-480 (csrc/vec.h). Every value is exact in bfloat16."""
     codes = torch.arange(256, dtype=torch.uint8)
     weight = torch.zeros(256, 20, dtype=torch.uint8)
     for j in range(20):
         weight[:, j] = codes.roll(j)
     weight = weight.view(E4M3)
-    x = torch.zeros(M, 20)
+    x = torch.zeros(M, 20, dtype=dtype)
     x[torch.arange(M), torch.arange(M) % 20] = 1.0
     got = ops.fp8_linear(x, weight, torch.ones(2, 1), [256], *BLOCK)
     want = weight.float()
     nan = want.isnan()
     want[nan] = torch.where(weight.view(torch.uint8)[nan] >= 128, -480.0, 480.0)
-    torch.testing.assert_close(got, want[:, torch.arange(M) % 20].t(), rtol=0, atol=0)
+    torch.testing.assert_close(got, want[:, torch.arange(M) % 20].t().to(dtype), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("exponent", [-40, 40])
@@ -145,9 +148,11 @@ def test_fp8_linear_in_bfloat16(parts, K, M):
 
 
 def test_bfloat16_dot_products_where_the_cpu_has_them():
-    """The avx512 kernels say whether they use the CPU's bfloat16 dot products (the emulated rerun's instruction
-    always does): a CPU that has them must not lose the tile path that uses them, and no other may run it."""
-    has = ISA == "avx512" and ("avx512_bf16" in build.cpu_flags() or bool(os.environ.get(EMULATION_ENV)))
+    """The avx512 kernels say whether they use the CPU's bfloat16 dot products (with AVX512_VBMI's byte lookups; the
+    emulated rerun's instructions always do): a CPU that has both must not lose the paths that use them, and no
+    other may run them."""
+    flags = build.cpu_flags()
+    has = ISA == "avx512" and ({"avx512_bf16", "avx512vbmi"} <= flags or bool(os.environ.get(EMULATION_ENV)))
     assert ("bfloat16 dot products" in ops.build_info()) == has
 
 
