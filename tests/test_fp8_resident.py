@@ -267,10 +267,19 @@ def native_bf16(monkeypatch):
     monkeypatch.setattr(fp8_ops, "native_16bit", lambda dtype: dtype == torch.bfloat16)
 
 
-def test_large_bfloat16_linears_run_the_dequantized_models_gemm(native_bf16):
+# the weight dequantized and multiplied in one panel, or a row block at a time (panels inside the ragged parts, each
+# part's scale rows from its own first one)
+PANELS = pytest.mark.parametrize("panel_bytes", [None, 1], ids=["one panel", "a row block a panel"])
+
+
+@PANELS
+@pytest.mark.parametrize("parts", [[200, 200], [72, 128, 40]])
+def test_large_bfloat16_linears_run_the_dequantized_models_gemm(native_bf16, monkeypatch, parts, panel_bytes):
     """From BF16_GEMM_MIN_TOKENS a bfloat16 model's FP8 linear is the dequantize-at-load model's product exactly: the
     same bfloat16 weight, the same GEMM; below it, and for float32 tokens, the E4M3 kernel."""
-    parts, K = [200, 200], 320
+    if panel_bytes is not None:
+        monkeypatch.setattr(fp8_ops, "_PANEL_BYTES", panel_bytes)
+    K = 320
     weight, scale = _fused(parts, K, _gen(31))
     many = torch.randn(fp8_ops.BF16_GEMM_MIN_TOKENS, K, generator=_gen(32)).bfloat16()
     want = F.linear(many, fp8_ops.dequantize_parts(weight, scale, parts, BLOCK, torch.bfloat16))
@@ -280,9 +289,12 @@ def test_large_bfloat16_linears_run_the_dequantized_models_gemm(native_bf16):
     assert "float32 activations" in fp8_ops._linear_bf16_check(many.float(), weight, scale, parts, BLOCK)
 
 
-def test_large_bfloat16_expert_batches_run_the_dequantized_models_loop(native_bf16):
+@PANELS
+def test_large_bfloat16_expert_batches_run_the_dequantized_models_loop(native_bf16, monkeypatch, panel_bytes):
     """From BF16_GEMM_MIN_PAIRS pairs per expert the FP8 experts are the dequantize-at-load model's bfloat16 expert
     loop exactly (each expert's w13 fused from ragged parts: inter = 200 is not a multiple of the 128-row block)."""
+    if panel_bytes is not None:
+        monkeypatch.setattr(fp8_ops, "_PANEL_BYTES", panel_bytes)
     D, inter = 320, 200
     w13, s13, w2, s2 = _expert_stacks(D, inter, _gen(33))
     T = fp8_ops.BF16_GEMM_MIN_PAIRS * E // 2

@@ -13,8 +13,8 @@ Three ops (:class:`~vllm_glm53.backends.dispatch.Op`):
   SwiGLU): the compiled kernels, and plain-torch forms that dequantize and multiply (the references the kernels
   are tested against; they run on any device). On a CPU with native bfloat16 arithmetic (AVX512_BF16 / AMX), a
   bfloat16 model's products with many tokens go first to ``bf16_gemm``: the weight (or each expert the tokens
-  chose) dequantized by the kernels into a kept bfloat16 buffer, then torch's bfloat16 GEMM, which runs on the
-  CPU's bf16 dot products, about twice the float32 FMA rate the E4M3 kernels compute at. The arithmetic is the
+  chose) dequantized by the kernels into a kept bfloat16 buffer a panel of rows at a time, each panel multiplied by
+  torch's bfloat16 GEMM (oneDNN on the CPU's bfloat16 instructions) while it is in cache. The arithmetic is the
   dequantize-at-load model's (the same bfloat16 weights, the same GEMMs), bit for bit.
 
 Fused weights (gate | up, q | k | v) are several checkpoint tensors stacked along the rows, each with its own
@@ -79,27 +79,57 @@ def fp8_weight_form_torch(block: tuple[int, int]) -> str:
 # --- dense linears -----------------------------------------------------------------------------------------
 
 # Tokens from which a bfloat16 model's FP8 products run as bfloat16 GEMMs on dequantized copies, where the CPU has
-# native bfloat16 arithmetic. The copy is written to memory and read back, so the E4M3 kernels stay ahead of small
-# batches. bf16_gemm's time / the kernel's, caches flushed, 2 cores: a 12288 x 4096 linear on an AMD EPYC Zen 5
-# 3.3 / 1.6 / 1.16 / 0.72 / 0.27 at 4 / 16 / 32 / 64 / 256 tokens (float32 tiles); on a Zen 4, whose kernels multiply
-# bfloat16 pairs (csrc/gemv.h), 1.66 / 1.26 / 0.95-1.11 / 0.99-1.13 / 0.37 at 16 / 32 / 40-48 / 64 / 256. 8 experts
-# of the released size, top-2: Zen 5 3.6 / 1.8 / 1.34 / 1.01 / 0.76 at 4 / 8 / 16 / 32 / 64 pairs per expert; Zen 4
-# with bfloat16 pairs 1.07-1.28 / 0.96-1.05 / 1.08-1.15 / 0.98-1.03 at 24-32 / 40 / 48 / 64.
-BF16_GEMM_MIN_TOKENS = 48  # dense linears: tokens of the call
+# native bfloat16 arithmetic: the E4M3 kernels read half the bytes, the GEMMs do the products faster once there are
+# enough tokens. bf16_gemm's time / the kernel's, caches flushed, 2 cores, AMD EPYC, both kernels multiplying
+# bfloat16 pairs (csrc/gemv.h). A 12288 x 4096 linear: Zen 4 1.66 / 1.26 / 0.95-1.11 / 0.99-1.13 / 0.37 at 16 / 32 /
+# 40-48 / 64 / 256 tokens (the weight dequantized whole, before the panels below); Zen 5 with panels 1.25-1.26 /
+# 1.13-1.16 / 1.02-1.05 / 0.98 / 0.89 / 0.23 at 48 / 64 / 96 / 128 / 192 / 256. Routed experts of the released size
+# (Zen 5: 16, top-4): Zen 4 1.07-1.28 / 0.96-1.05 / 1.08-1.15 / 0.98-1.03 at 24-32 / 40 / 48 / 64 pairs per expert
+# (whole); Zen 5 with panels 0.96 / 1.05-1.11 / 0.85-0.97 / 0.92-1.10 / 0.80-0.96 / 0.82-0.84 / 0.75-0.76 at 24 / 32
+# / 40 / 48 / 64 / 96 / 128. Zen 5's kernels gain most from full-width 512-bit units (two bfloat16 dot products a
+# cycle), the panels move both CPUs' crossovers down: 64 tokens lies between them, and 64 pairs stays. A CPU with AMX, whose GEMMs run
+# on its tiles (the kernels do not use them), would want lower thresholds: not measured here.
+BF16_GEMM_MIN_TOKENS = 64  # dense linears: tokens of the call
 BF16_GEMM_MIN_PAIRS = 64  # routed experts: mean (token, choice) pairs per expert
+
+# Rows of a bfloat16 panel are about this many bytes: the bf16_gemm forms dequantize and multiply a weight a panel
+# of rows at a time, so the GEMM reads each panel from cache right after the kernel wrote it instead of a whole
+# bfloat16 copy going out to memory and back. 12288 x 4096, Zen 5, 2 threads: 1.29x faster at 64 tokens, 1.14-1.18x
+# at 128-256 (512-row panels; 256- and 1024-row ones were slower).
+_PANEL_BYTES = 4 << 20
 
 _scratch: dict[str, torch.Tensor] = {}
 
 
-def _dequantized_bf16(slot: str, weight: torch.Tensor, scale: torch.Tensor, parts: list[int],
-                      block: tuple[int, int]) -> torch.Tensor:
-    """``weight``'s bfloat16 values in the kept buffer ``slot`` (grown as needed, reused by the next call: a fresh
-    buffer of an expert's size costs more in first-touch page faults than the conversion)."""
+def _kept(slot: str, numel: int) -> torch.Tensor:
+    """A bfloat16 buffer of at least ``numel`` values kept under ``slot`` (a fresh buffer costs more in first-touch
+    page faults than the conversion that fills it)."""
     buf = _scratch.get(slot)
-    if buf is None or buf.numel() < weight.numel():
-        buf = _scratch[slot] = torch.empty(weight.numel(), dtype=torch.bfloat16)
-    out = buf[: weight.numel()].view(weight.shape)
-    kernels.ops().fp8_dequantize(weight, scale, list(parts), int(block[0]), int(block[1]), out)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch[slot] = torch.empty(numel, dtype=torch.bfloat16)
+    return buf
+
+
+def _bf16_panels_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, parts: list[int],
+                        block: tuple[int, int]) -> torch.Tensor:
+    """``x @ W^T`` in bfloat16 for a bfloat16 ``x`` and the block-FP8 ``weight``: W dequantized to bfloat16 a panel
+    of rows at a time (whole row blocks of one part) into a kept buffer, each panel's product written into its
+    columns of the output. Every output is the whole-weight GEMM's (tests/test_fp8_resident.py)."""
+    N, K = weight.shape
+    bn, bk = int(block[0]), int(block[1])
+    rows = max(bn, _PANEL_BYTES // (2 * K) // bn * bn)
+    panel = _kept("panel", min(rows, N) * K)
+    out = torch.empty(x.shape[0], N, dtype=torch.bfloat16)
+    row = 0
+    for n in parts:
+        first = math.ceil(row / bn)  # the part's first scale row (module docstring)
+        for r0 in range(0, n, rows):
+            m = min(rows, n - r0)
+            p = panel[: m * K].view(m, K)
+            kernels.ops().fp8_dequantize(weight[row + r0 : row + r0 + m],
+                                         scale[first + r0 // bn : first + math.ceil((r0 + m) / bn)], [m], bn, bk, p)
+            torch.mm(x, p.t(), out=out[:, row + r0 : row + r0 + m])
+        row += n
     return out
 
 
@@ -125,7 +155,7 @@ def _linear_bf16_check(x, weight, scale, parts, block):
 @fp8_linear.register("bf16_gemm", _linear_bf16_check)
 def fp8_linear_bf16_gemm(x, weight, scale, parts, block):
     """torch's bfloat16 GEMM on the weight dequantized to bfloat16 (see the module docstring)."""
-    return F.linear(x, _dequantized_bf16("linear", weight, scale, parts, block))
+    return _bf16_panels_linear(x, weight, scale, parts, block)
 
 
 def _linear_check(x, weight, scale, parts, block):
@@ -175,25 +205,24 @@ def _experts_bf16_check(x, w13, w13_scale, w2, w2_scale, ids, weights, limit, bl
     return _bf16_gemm_reason(x) or _experts_check(x, w13, w13_scale, w2, w2_scale, ids, weights, limit, block)
 
 
-class _DequantizingStack:
-    """Expert ``e`` of a block-FP8 stack as bfloat16 when the expert loop asks for it (into a kept buffer, valid
-    until the next expert of the same stack is asked for)."""
+class _Fp8Stack:
+    """Expert ``e`` of a block-FP8 stack as ``(weight, scale, parts, block)`` for :func:`_bf16_panels_linear`."""
 
-    def __init__(self, slot, weight, scale, parts, block):
-        self.slot, self.weight, self.scale, self.parts, self.block = slot, weight, scale, parts, block
+    def __init__(self, weight, scale, parts, block):
+        self.weight, self.scale, self.parts, self.block = weight, scale, parts, block
         self.shape = weight.shape
 
     def __getitem__(self, e):
-        return _dequantized_bf16(self.slot, self.weight[e], self.scale[e], self.parts, self.block)
+        return self.weight[e], self.scale[e], self.parts, self.block
 
 
 @routed_experts_fp8.register("bf16_gemm", _experts_bf16_check)
 def routed_experts_fp8_bf16_gemm(x, w13, w13_scale, w2, w2_scale, ids, weights, limit, block):
     """The bfloat16 expert loop (:func:`~vllm_glm53.backends.cpu.moe.routed_experts_torch`) on the experts the
-    tokens chose, each dequantized to bfloat16 when its turn comes."""
+    tokens chose, each dequantized to bfloat16 a panel at a time when its turn comes."""
     inter = w13.shape[1] // 2
-    return _per_expert(x, _DequantizingStack("w13", w13, w13_scale, [inter, inter], block),
-                       _DequantizingStack("w2", w2, w2_scale, [w2.shape[1]], block), ids, weights, limit, F.linear)
+    return _per_expert(x, _Fp8Stack(w13, w13_scale, [inter, inter], block), _Fp8Stack(w2, w2_scale, [w2.shape[1]], block),
+                       ids, weights, limit, lambda x_e, w_e: _bf16_panels_linear(x_e, *w_e))
 
 
 def _experts_check(x, w13, w13_scale, w2, w2_scale, ids, weights, limit, block):
