@@ -87,8 +87,8 @@ def fp8_weight_form_torch(block: tuple[int, int]) -> str:
 # (Zen 5: 16, top-4): Zen 4 1.07-1.28 / 0.96-1.05 / 1.08-1.15 / 0.98-1.03 at 24-32 / 40 / 48 / 64 pairs per expert
 # (whole); Zen 5 with panels 0.96 / 1.05-1.11 / 0.85-0.97 / 0.92-1.10 / 0.80-0.96 / 0.82-0.84 / 0.75-0.76 at 24 / 32
 # / 40 / 48 / 64 / 96 / 128. Zen 5's kernels gain most from full-width 512-bit units (two bfloat16 dot products a
-# cycle), the panels move both CPUs' crossovers down: 64 tokens lies between them, and 64 pairs stays. A CPU with AMX, whose GEMMs run
-# on its tiles (the kernels do not use them), would want lower thresholds: not measured here.
+# cycle), the panels move both CPUs' crossovers down: 64 tokens lies between them, and 64 pairs stays. A CPU with
+# AMX, whose GEMMs run on its tiles (the kernels do not use them), would want lower thresholds: not measured here.
 BF16_GEMM_MIN_TOKENS = 64  # dense linears: tokens of the call
 BF16_GEMM_MIN_PAIRS = 64  # routed experts: mean (token, choice) pairs per expert
 
@@ -98,16 +98,15 @@ BF16_GEMM_MIN_PAIRS = 64  # routed experts: mean (token, choice) pairs per exper
 # at 128-256 (512-row panels; 256- and 1024-row ones were slower).
 _PANEL_BYTES = 4 << 20
 
-_scratch: dict[str, torch.Tensor] = {}
+_panel: torch.Tensor | None = None  # kept between calls: a fresh buffer costs first-touch page faults every call
 
 
-def _kept(slot: str, numel: int) -> torch.Tensor:
-    """A bfloat16 buffer of at least ``numel`` values kept under ``slot`` (a fresh buffer costs more in first-touch
-    page faults than the conversion that fills it)."""
-    buf = _scratch.get(slot)
-    if buf is None or buf.numel() < numel:
-        buf = _scratch[slot] = torch.empty(numel, dtype=torch.bfloat16)
-    return buf
+def _panel_buffer(numel: int) -> torch.Tensor:
+    """The kept bfloat16 panel buffer, grown to at least ``numel`` values."""
+    global _panel
+    if _panel is None or _panel.numel() < numel:
+        _panel = torch.empty(numel, dtype=torch.bfloat16)
+    return _panel
 
 
 def _bf16_panels_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, parts: list[int],
@@ -118,7 +117,8 @@ def _bf16_panels_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     N, K = weight.shape
     bn, bk = int(block[0]), int(block[1])
     rows = max(bn, _PANEL_BYTES // (2 * K) // bn * bn)
-    panel = _kept("panel", min(rows, N) * K)
+    panel = _panel_buffer(min(rows, N) * K)
+    dequantize = kernels.ops().fp8_dequantize
     out = torch.empty(x.shape[0], N, dtype=torch.bfloat16)
     row = 0
     for n in parts:
@@ -126,8 +126,8 @@ def _bf16_panels_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
         for r0 in range(0, n, rows):
             m = min(rows, n - r0)
             p = panel[: m * K].view(m, K)
-            kernels.ops().fp8_dequantize(weight[row + r0 : row + r0 + m],
-                                         scale[first + r0 // bn : first + math.ceil((r0 + m) / bn)], [m], bn, bk, p)
+            dequantize(weight[row + r0 : row + r0 + m], scale[first + r0 // bn : first + math.ceil((r0 + m) / bn)],
+                       [m], bn, bk, p)
             torch.mm(x, p.t(), out=out[:, row + r0 : row + r0 + m])
         row += n
     return out
@@ -221,8 +221,9 @@ def routed_experts_fp8_bf16_gemm(x, w13, w13_scale, w2, w2_scale, ids, weights, 
     """The bfloat16 expert loop (:func:`~vllm_glm53.backends.cpu.moe.routed_experts_torch`) on the experts the
     tokens chose, each dequantized to bfloat16 a panel at a time when its turn comes."""
     inter = w13.shape[1] // 2
-    return _per_expert(x, _Fp8Stack(w13, w13_scale, [inter, inter], block), _Fp8Stack(w2, w2_scale, [w2.shape[1]], block),
-                       ids, weights, limit, lambda x_e, w_e: _bf16_panels_linear(x_e, *w_e))
+    return _per_expert(x, _Fp8Stack(w13, w13_scale, [inter, inter], block),
+                       _Fp8Stack(w2, w2_scale, [w2.shape[1]], block), ids, weights, limit,
+                       lambda x_e, w_e: _bf16_panels_linear(x_e, *w_e))
 
 
 def _experts_check(x, w13, w13_scale, w2, w2_scale, ids, weights, limit, block):
