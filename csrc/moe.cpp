@@ -5,7 +5,8 @@
 //
 // The (token, choice) pairs are grouped by expert here, then three steps, each one parallel region:
 //   1. tasks (expert, block of intermediate rows): each gate row and its up row are read once and multiplied with
-//      every token routed to the expert, giving h (float32);
+//      every token routed to the expert, giving h (float32, rounded to the tokens' dtype where that is 16-bit:
+//      as_h);
 //   2. tasks (expert, block of hidden rows) of W2 the same way, giving one output row per pair, y [pairs, D];
 //   3. per token, its k pair outputs weighted and summed in choice order (deterministic, no atomics).
 // Experts that received no token are never touched. How an expert's rows meet its tokens depends on their number:
@@ -16,7 +17,7 @@
 //   - from there the tile path (gemv.h's row_tile_by_tokens, as linear.cpp's): the expert's tokens across the
 //     vector lanes, a few rows at a time widened into an L1-resident float32 buffer and broadcast against them,
 //     no horizontal sums; step 1 writes h in that layout for step 2. For FP8 rows and bfloat16 tokens on a CPU with
-//     bfloat16 dot products, step 1 multiplies bfloat16 pairs (gemv.h); step 2's tokens (h) are float32.
+//     bfloat16 dot products, both steps multiply bfloat16 pairs (gemv.h).
 //
 // moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes. Below kAcrossLanesMinTokens
 // it has two forms: at most kE4m3DirectMaxTokens tokens, the direct path (tokens pre-multiplied by the row block's
@@ -25,6 +26,7 @@
 // at a time. The tile path dequantizes its rows. It serves every batch size, prefill included: there is no
 // dequantized copy for torch's GEMMs to use.
 
+#include <cstring>
 #include <vector>
 
 #include "gemv.h"
@@ -35,6 +37,16 @@ namespace {
 // The clamped SwiGLU of one gate / up value (only the gate's upper side is clamped).
 inline float clamped_swiglu(float g, float u, float limit) {
   return silu(std::min(g, limit)) * std::clamp(u, -limit, limit);
+}
+
+// h as the model's dtype holds it: with bfloat16 / float16 tokens the intermediate is rounded to that dtype (to
+// nearest even) before the down product, as it is a 16-bit tensor in the per-expert torch loop
+// (routed_experts_torch, which runs the larger batches), in transformers' experts and in vLLM's fused MoE; float32
+// tokens keep it float32. So the result does not depend on which path a batch size takes.
+inline float as_h(at::ScalarType type, float v) {
+  if (type == at::kBFloat16) return static_cast<float>(c10::BFloat16(v));
+  if (type == at::kHalf) return static_cast<float>(c10::Half(v));
+  return v;
 }
 
 struct Task {
@@ -57,6 +69,7 @@ at::Tensor rows_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t :
 // y, token_at[s] the token of slot s; experts own slots [start[e], start[e + 1]).
 struct Routing {
   int64_t T, D, E, k, P;
+  at::ScalarType h_type;  // what h is rounded to (as_h)
   at::Tensor x, weights;  // float32 token rows (the dot products read them from cache many times), weights [T, k]
   std::vector<int64_t> count, start, slot, token_at;
 };
@@ -76,6 +89,7 @@ Routing route_pairs(const char* what, const at::Tensor& x_, const at::Tensor& w1
     TORCH_CHECK(t->device().is_cpu(), what, ": tensors must be on the CPU");
   Routing g;
   g.T = T, g.D = D, g.E = E, g.k = ids_.size(1), g.P = T * g.k;
+  g.h_type = x_.scalar_type() == at::kBFloat16 || x_.scalar_type() == at::kHalf ? x_.scalar_type() : at::kFloat;
   g.x = x_.to(at::kFloat).contiguous();
   g.weights = weights_.to(at::kFloat).contiguous();
   const at::Tensor ids = ids_.to(at::kLong).contiguous();
@@ -116,29 +130,30 @@ at::Tensor combine_pairs(const Routing& g, const at::Tensor& y) {
 }
 
 // The experts that take the tile path (at least kAcrossLanesMinTokens tokens) and their tokens across the lanes
-// (gemv.h): x for step 1, as float32 or as bfloat16 pairs (``pairs``, for bfloat16 row tiles), and h, which step 1
-// writes in the float32 layout for step 2. Expert e's token groups are [group0[e], group0[e + 1]).
+// (gemv.h): x for step 1 and h, which step 1 writes for step 2, each as float32 or as bfloat16 pairs (``pairs``,
+// ``h_pairs``: for bfloat16 row tiles). Expert e's token groups are [group0[e], group0[e + 1]).
 // Both buffers are left uninitialized: the layout functions write every value of xt (zeros past the last token)
 // and step 1 every value of ht (a prefill's buffers are hundreds of MB, zeroing them first was a second pass).
 struct AcrossLanes {
   std::vector<int64_t> group0;
   at::Tensor xt, ht;
   const float* x_of(int64_t e, int64_t D) const { return xt.data_ptr<float>() + group0[e] * D * kLanes; }
-  uint32_t* pairs_of(int64_t e, int64_t D) const {
-    return reinterpret_cast<uint32_t*>(xt.data_ptr<int32_t>()) + group0[e] * D / 2 * kLanes;
-  }
+  uint32_t* pairs_of(int64_t e, int64_t D) const { return pairs(xt) + group0[e] * D / 2 * kLanes; }
   float* h_of(int64_t e, int64_t I) { return ht.data_ptr<float>() + group0[e] * I * kLanes; }
+  uint32_t* h_pairs_of(int64_t e, int64_t I) const { return pairs(ht) + group0[e] * I / 2 * kLanes; }
   int64_t groups(int64_t e) const { return group0[e + 1] - group0[e]; }
+  static uint32_t* pairs(const at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>()); }
 };
 
-AcrossLanes tile_tokens(const Routing& g, int64_t I, bool pairs = false) {
+AcrossLanes tile_tokens(const Routing& g, int64_t I, bool pairs = false, bool h_pairs = false) {
   AcrossLanes a;
   a.group0.assign(g.E + 1, 0);
   for (int64_t e = 0; e < g.E; ++e)
     a.group0[e + 1] = a.group0[e] + (g.count[e] >= kAcrossLanesMinTokens ? ceil_div(g.count[e], kLanes) : 0);
   a.xt = pairs ? at::empty({a.group0[g.E] * g.D / 2 * kLanes}, g.x.options().dtype(at::kInt))
                : at::empty({a.group0[g.E] * g.D * kLanes}, g.x.options());
-  a.ht = at::empty({a.group0[g.E] * I * kLanes}, g.x.options());
+  a.ht = h_pairs ? at::empty({a.group0[g.E] * I / 2 * kLanes}, g.x.options().dtype(at::kInt))
+                 : at::empty({a.group0[g.E] * I * kLanes}, g.x.options());
   const float* xp = g.x.data_ptr<float>();
   at::parallel_for(0, g.E, 1, [&](int64_t e, int64_t end) {
     for (; e < end; ++e) {
@@ -158,15 +173,15 @@ AcrossLanes tile_tokens(const Routing& g, int64_t I, bool pairs = false) {
 
 // Step 1 on the tile path, rows [row0, last) of one expert: gate and up rows (row(up, r): the row's bytes, ``elem``
 // a value; widen(up, r, k0, n, out): its columns [k0, k0 + n) into the tile) against the expert's ``groups`` token
-// groups xe, kTilePassGroups per pass, h into he across the lanes (the lanes past the last token get
-// clamped_swiglu(0, 0) = 0). Float32 tiles hold kRowTile / 2 gate rows and the same up rows; bfloat16 tiles
-// (token pairs, gemv.h) hold kRowTile gate rows, then kRowTile up rows, since each tile takes one row block's
-// scales (scales(up): the gate's or the up block row's). tile: kRowTile x chunk values, acc: kTilePassGroups x
-// kRowTile x kLanes floats (twice that for bfloat16 tiles).
-template <typename Tile, typename Tokens, typename Row, typename Widen, typename Scales>
+// groups xe, kTilePassGroups per pass; put(group, r, h) stores row r of h for the kLanes tokens of a group (the
+// lanes past the last token get clamped_swiglu(0, 0) = 0). Float32 tiles hold kRowTile / 2 gate rows and the same
+// up rows; bfloat16 tiles (token pairs, gemv.h) hold kRowTile gate rows, then kRowTile up rows, since each tile
+// takes one row block's scales (scales(up): the gate's or the up block row's). tile: kRowTile x chunk values, acc:
+// kTilePassGroups x kRowTile x kLanes floats (twice that for bfloat16 tiles).
+template <typename Tile, typename Tokens, typename Row, typename Widen, typename Scales, typename Put>
 void swiglu_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const Widen& widen, const Scales& scales,
-                 const Tokens* xe, int64_t groups, int64_t D, int64_t I, int64_t chunk, float limit, float* he,
-                 Tile* tile, float* acc) {
+                 const Tokens* xe, int64_t groups, int64_t D, int64_t chunk, float limit, const Put& put, Tile* tile,
+                 float* acc) {
   constexpr bool separate = !std::is_same_v<Tile, float>;
   constexpr int gate_rows = separate ? kRowTile : std::max(1, kRowTile / 2);
   constexpr int64_t cols = separate ? 2 : 1;  // token columns per 32-bit lane of xe
@@ -203,18 +218,42 @@ void swiglu_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const
         for (int i = 0; i < nh; ++i) {
           const float* ag = acc + (q * kRowTile + i) * kLanes;
           const float* au = acc_up + (q * kRowTile + up_at + i) * kLanes;
-          float* dst = he + ((p0 + q) * I + r0 + i) * kLanes;
-          for (int l = 0; l < kLanes; ++l) dst[l] = clamped_swiglu(ag[l], au[l], limit);
+          float h[kLanes];
+          for (int l = 0; l < kLanes; ++l) h[l] = clamped_swiglu(ag[l], au[l], limit);
+          put(p0 + q, r0 + i, h);
         }
     }
   }
 }
 
+// swiglu_tile's put for float32 h across the lanes (he: an expert's first group), rounded as as_h says.
+inline auto h_lanes(float* he, int64_t I, at::ScalarType type) {
+  return [=](int64_t group, int64_t r, const float* h) {
+    float* dst = he + (group * I + r) * kLanes;
+    for (int l = 0; l < kLanes; ++l) dst[l] = as_h(type, h[l]);
+  };
+}
+
+// The same for bfloat16 tiles in step 2: h as bfloat16 pairs across the lanes (token_pairs_across_lanes' layout),
+// column r the low (even r) or high half of pair r / 2. A task's rows start even, so it writes both halves.
+inline auto h_pairs(uint32_t* he, int64_t I) {
+  return [=](int64_t group, int64_t r, const float* h) {
+    char* dst = reinterpret_cast<char*>(he + (group * I / 2 + r / 2) * kLanes) + (r % 2) * 2;
+    for (int l = 0; l < kLanes; ++l) {
+      const uint16_t bits = c10::BFloat16(h[l]).x;
+      std::memcpy(dst + 4 * l, &bits, sizeof(bits));
+    }
+  };
+}
+
 // Step 2 on the tile path, rows [row0, last) of one expert's W2 (row(r), widen(r, k0, n, out) as above): kRowTile
-// rows at a time against its h groups he (``tokens`` tokens), into y's rows ye[j * D + r].
-template <typename Row, typename Widen>
-void down_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const Widen& widen, const float* he,
-               int64_t tokens, int64_t I, int64_t D, int64_t chunk, float* ye, float* tile, float* acc) {
+// rows at a time against its h groups he (``tokens`` tokens; float32, or bfloat16 pairs for bfloat16 tiles, which
+// take the row block's scales ``block_scales``), into y's rows ye[j * D + r].
+template <typename Tile, typename Tokens, typename Row, typename Widen>
+void down_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const Widen& widen,
+               const float* block_scales, const Tokens* he, int64_t tokens, int64_t I, int64_t D, int64_t chunk,
+               float* ye, Tile* tile, float* acc) {
+  constexpr int64_t cols = std::is_same_v<Tile, float> ? 1 : 2;  // h columns per 32-bit lane of he
   const int64_t groups = ceil_div(tokens, kLanes);
   for (int64_t p0 = 0; p0 < groups; p0 += kTilePassGroups) {
     const int64_t pg = std::min(kTilePassGroups, groups - p0);
@@ -226,8 +265,8 @@ void down_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const W
       for (int i = 0; i < nr; ++i) here[i] = row(r0 + i);
       for (int i = 0; i < nn; ++i) next[i] = row(r0 + kRowTile + i);
       row_tile_by_tokens(
-          nr, [&](int i, int64_t k0, int64_t n, float* out) { widen(r0 + i, k0, n, out); }, here, next, nn, elem,
-          he + p0 * I * kLanes, nullptr, pg, I, chunk, tile, acc);
+          nr, [&](int i, int64_t k0, int64_t n, Tile* out) { widen(r0 + i, k0, n, out); }, here, next, nn, elem,
+          he + p0 * I / cols * kLanes, block_scales, pg, I, chunk, tile, acc);
       for (int64_t q = 0; q < pg; ++q) {
         const int64_t j0 = (p0 + q) * kLanes, n = std::min<int64_t>(kLanes, tokens - j0);
         for (int64_t l = 0; l < n; ++l)
@@ -278,7 +317,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
               [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); }, sizeof(scalar_t),
               [&](bool up, int64_t r, int64_t k0, int64_t n, float* out) { to_float(row(up, r) + k0, out, n); },
               [](bool) -> const float* { return nullptr; }, lanes.x_of(task.expert, D), lanes.groups(task.expert), D,
-              I, kColumnChunk, limit, lanes.h_of(task.expert, I), tile.data(), tile_acc.data());
+              kColumnChunk, limit, h_lanes(lanes.h_of(task.expert, I), I, g.h_type), tile.data(), tile_acc.data());
           continue;
         }
         for (int64_t c0 = start[task.expert]; c0 < start[task.expert + 1]; c0 += x_chunk) {
@@ -291,7 +330,8 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
               const int n = static_cast<int>(std::min<int64_t>(kTok, c1 - j0));
               for (int j = 0; j < n; ++j) xs[j] = xp + token_at[j0 + j] * D;
               dot_tokens<2>(rows, j0 == c0 ? next : nullptr, xs, n, D, acc);
-              for (int j = 0; j < n; ++j) hp[(j0 + j) * I + r] = clamped_swiglu(acc[0][j], acc[1][j], limit);
+              for (int j = 0; j < n; ++j)
+                hp[(j0 + j) * I + r] = as_h(g.h_type, clamped_swiglu(acc[0][j], acc[1][j], limit));
             }
           }
         }
@@ -313,7 +353,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
           down_tile(
               task.row0, task.row0 + task.rows,
               [&](int64_t r) { return reinterpret_cast<const char*>(we + r * s2r); }, sizeof(scalar_t),
-              [&](int64_t r, int64_t k0, int64_t n, float* out) { to_float(we + r * s2r + k0, out, n); },
+              [&](int64_t r, int64_t k0, int64_t n, float* out) { to_float(we + r * s2r + k0, out, n); }, nullptr,
               lanes.h_of(task.expert, I), start[task.expert + 1] - c0, I, D, kColumnChunk, yp + c0 * D, tile.data(),
               tile_acc.data());
           continue;
@@ -377,13 +417,23 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   const float *s13p = w13_scale.data_ptr<float>(), *s2p = w2_scale.data_ptr<float>();
   const int64_t s13e = w13.stride(0), s13r = w13.stride(1), s2e = w2.stride(0), s2r = w2.stride(1);
 
-  // bfloat16 tokens on a CPU with bfloat16 dot products: step 1 multiplies bfloat16 pairs (gemv.h), on the direct
-  // path (2 or more tokens) the token rows as they are (xb); step 2's tokens, h, are float32 (rounding them to
-  // bfloat16 would change the results), so it keeps the float32 forms. 16 released-size experts, Zen 4, 2 threads:
-  // 1.3-1.4x faster at 4-8 tokens each, 1.2-1.3x at 16-32.
+  // bfloat16 tokens on a CPU with bfloat16 dot products: both steps multiply bfloat16 pairs (gemv.h). Step 1's
+  // direct path (2 or more tokens) takes the token rows as they are (xb); step 2's tokens are h, which is bfloat16
+  // for bfloat16 tokens (as_h): step 1 writes it for the direct path as bfloat16 rows too (hb) and for the tile
+  // path as pairs across the lanes. 16 released-size experts, 2 threads, caches flushed: pairs in step 1 (Zen 4)
+  // 1.3-1.4x faster at 4-8 tokens each, 1.2-1.3x at 16-32; in step 2 as well (Zen 5) another 1.3x at 4 tokens
+  // each (15.8 -> 12.0 ms, the floor ~10.3), 1.55x at 8, 1.3x at 16-32; one token each stays at the floor either way.
   const bool pairs = bf16_pairs(x_.scalar_type(), D);
+  const bool down_pairs = pairs && bf16_pairs(x_.scalar_type(), I);
   const at::Tensor xb = pairs ? x_.contiguous() : at::Tensor();
-  AcrossLanes lanes = tile_tokens(g, I, pairs);
+  at::Tensor hb = down_pairs ? at::empty({P, I}, x_.options().dtype(at::kBFloat16)) : at::Tensor();
+  c10::BFloat16* hbp = down_pairs ? hb.data_ptr<c10::BFloat16>() : nullptr;
+  const auto put_h = [&](int64_t slot, int64_t r, float v) {
+    v = as_h(g.h_type, v);
+    hp[slot * I + r] = v;
+    if (hbp != nullptr) hbp[slot * I + r] = c10::BFloat16(v);
+  };
+  AcrossLanes lanes = tile_tokens(g, I, pairs, down_pairs);
   const int64_t chunk = ceil_div(kColumnChunk, block_k) * block_k;  // tile columns: whole scale blocks
 
   // 1. h = clamped_swiglu(W13_e x): a task's rows lie in one gate row block and the same up row block.
@@ -416,7 +466,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           dot_rows_pairs(up, rn >= 0 ? next : nullptr, nr, xs, n, up_scale, D, block_k, acc_up);
           for (int i = 0; i < nr; ++i)
             for (int j = 0; j < n; ++j)
-              hp[(c0 + j) * I + r + i] = clamped_swiglu(acc_gate[i][j], acc_up[i][j], limit);
+              put_h(c0 + j, r + i, clamped_swiglu(acc_gate[i][j], acc_up[i][j], limit));
         }
         continue;
       }
@@ -445,7 +495,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           dot_rows(up, rn >= 0 ? next : nullptr, nr, xus, n, D, acc_up);
           for (int i = 0; i < nr; ++i)
             for (int j = 0; j < n; ++j)
-              hp[(c0 + j) * I + r + i] = clamped_swiglu(acc_gate[i][j], acc_up[i][j], limit);
+              put_h(c0 + j, r + i, clamped_swiglu(acc_gate[i][j], acc_up[i][j], limit));
         }
         continue;
       }
@@ -462,7 +512,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
             for (int j = 0; j < n; ++j) xs[j] = xp + token_at[j0 + j] * D;
             float part[2][kTok];
             dot_tokens<2>(rows, nullptr, xs, n, D, part);
-            for (int j = 0; j < n; ++j) hp[(j0 + j) * I + r] = clamped_swiglu(part[0][j], part[1][j], limit);
+            for (int j = 0; j < n; ++j) put_h(j0 + j, r, clamped_swiglu(part[0][j], part[1][j], limit));
           }
         }
         continue;
@@ -471,13 +521,17 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const auto bytes = [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); };
 #if GLM53_AVX512
       if (pairs) {
-        swiglu_tile(
-            task.row0, last, bytes, 1,
-            [&](bool up, int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) {
-              e4m3_to_bf16(row(up, r) + k0, n, out);
-            },
-            [&](bool up) { return up ? up_scale : gate_scale; }, lanes.pairs_of(e, D), lanes.groups(e), D, I, block_k,
-            limit, lanes.h_of(e, I), tile16.data(), acc.data());
+        const auto tile_rows = [&](const auto& put) {
+          swiglu_tile(
+              task.row0, last, bytes, 1,
+              [&](bool up, int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) {
+                e4m3_to_bf16(row(up, r) + k0, n, out);
+              },
+              [&](bool up) { return up ? up_scale : gate_scale; }, lanes.pairs_of(e, D), lanes.groups(e), D, block_k,
+              limit, put, tile16.data(), acc.data());
+        };
+        if (down_pairs) tile_rows(h_pairs(lanes.h_pairs_of(e, I), I));
+        else tile_rows(h_lanes(lanes.h_of(e, I), I, g.h_type));
         continue;
       }
 #endif
@@ -486,8 +540,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           [&](bool up, int64_t r, int64_t k0, int64_t n, float* out) {
             dequantize_row(row(up, r) + k0, (up ? up_scale : gate_scale) + k0 / block_k, n, block_k, out);
           },
-          [](bool) -> const float* { return nullptr; }, lanes.x_of(e, D), lanes.groups(e), D, I, chunk, limit,
-          lanes.h_of(e, I), tile.data(), acc.data());
+          [](bool) -> const float* { return nullptr; }, lanes.x_of(e, D), lanes.groups(e), D, chunk, limit,
+          h_lanes(lanes.h_of(e, I), I, g.h_type), tile.data(), acc.data());
     }
   });
 
@@ -496,6 +550,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
     std::vector<float> buf(std::max(kE4m3DirectMaxTokens, int64_t{2}) * I);  // direct: scaled h rows; few: two W2 rows
     std::vector<float> tile(kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
+    std::vector<c10::BFloat16> tile16(down_pairs ? kRowTile * block_k : 0);
     float acc_direct[2][kE4m3DirectMaxTokens];
     const float* hs[kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;
@@ -504,6 +559,31 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const int64_t e = task.expert, c0 = start[e], c1 = start[e + 1], last = task.row0 + task.rows;
       const E4m3* we = w2p + e * s2e;
       const float* scale = s2p + (e * nbD + task.row0 / block_n) * kbI;
+      const auto bytes = [&](int64_t r) { return reinterpret_cast<const char*>(we + r * s2r); };
+#if GLM53_AVX512
+      if (down_pairs && c1 - c0 >= 2 && c1 - c0 <= kE4m3DirectMaxTokens) {  // one token: the float32 form below
+        const int n = static_cast<int>(c1 - c0);
+        const c10::BFloat16* hs16[kE4m3DirectMaxTokens];
+        for (int j = 0; j < n; ++j) hs16[j] = hbp + (c0 + j) * I;
+        for (int64_t r = task.row0; r < last; r += 2) {
+          const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
+          const E4m3* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
+          const int64_t rn = std::min(r + 2 * kAhead, D - 2);
+          const E4m3* next[2] = {we + rn * s2r, we + (rn + 1) * s2r};
+          dot_rows_pairs(rows, rn >= 0 ? next : nullptr, nr, hs16, n, scale, I, block_k, acc_direct);
+          for (int j = 0; j < n; ++j)
+            for (int i = 0; i < nr; ++i) yp[(c0 + j) * D + r + i] = acc_direct[i][j];
+        }
+        continue;
+      }
+      if (down_pairs && c1 - c0 >= kAcrossLanesMinTokens) {
+        down_tile(
+            task.row0, last, bytes, 1,
+            [&](int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) { e4m3_to_bf16(we + r * s2r + k0, n, out); },
+            scale, lanes.h_pairs_of(e, I), c1 - c0, I, D, block_k, yp + c0 * D, tile16.data(), acc.data());
+        continue;
+      }
+#endif
       if (c1 - c0 <= kE4m3DirectMaxTokens) {
         const int n = static_cast<int>(c1 - c0);
         if (scaled_for != e * nbD + task.row0 / block_n) {
@@ -542,11 +622,11 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         continue;
       }
       down_tile(
-          task.row0, last, [&](int64_t r) { return reinterpret_cast<const char*>(we + r * s2r); }, 1,
+          task.row0, last, bytes, 1,
           [&](int64_t r, int64_t k0, int64_t n, float* out) {
             dequantize_row(we + r * s2r + k0, scale + k0 / block_k, n, block_k, out);
           },
-          lanes.h_of(e, I), c1 - c0, I, D, chunk, yp + c0 * D, tile.data(), acc.data());
+          nullptr, lanes.h_of(e, I), c1 - c0, I, D, chunk, yp + c0 * D, tile.data(), acc.data());
     }
   });
   return combine_pairs(g, y);

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernel_isas import EMULATION_ENV, ISA, ops, other_isas, rerun_on
-from test_cpu_kernels import F32_ULPS, _close, _gen
+from test_cpu_kernels import F32_ULPS, _close, _gen, check_rounded_h, experts_down, kernel_h
 from vllm_glm53.backends import dispatch
 from vllm_glm53.backends.cpu import build
 from vllm_glm53.backends.cpu import fp8 as fp8_ops
@@ -228,19 +228,30 @@ def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
     assert (g[:, :inter] > SWIGLU_LIMIT).any() and (g[:, inter:].abs() > SWIGLU_LIMIT).any()
 
 
-# Tokens per expert: T = 5: 0-4 (direct); 8: 2-6 (direct, one row alone past kTok; few-token path on portable); 40:
-# 10-37 (across the lanes). Where the CPU has bfloat16 dot products the gate and up rows take bfloat16 pairs on the
-# direct and tile paths (csrc/moe.cpp).
+# Tokens per expert: T = 5: 0-4 (direct; one token: float32 forms); 8: 2-6 (direct, one row alone past kTok;
+# few-token path on portable); 40: 10-37 (across the lanes). h is rounded to bfloat16 (csrc/moe.cpp as_h); where
+# the CPU has bfloat16 dot products both steps take bfloat16 pairs on the direct and tile paths. The intermediate
+# size spans a whole and a ragged column block of W2, and 4 x inter <= D for kernel_h.
 @pytest.mark.parametrize("T", [5, 8, 40])
 def test_fp8_experts_bfloat16_tokens(T):
     gen = _gen(11 + T)
-    w13, s13, w2, s2 = _expert_stacks(320, 200, gen)
+    D, inter = 560, 136
+    w13, s13, w2, s2 = _expert_stacks(D, inter, gen)
     ids, weights = _routing(T, 2, gen)
-    x = (4 * torch.randn(T, 320, generator=gen)).bfloat16()
+    x = (4 * torch.randn(T, D, generator=gen)).bfloat16()
     got = ops.moe_experts_fp8(x, w13, s13, w2, s2, ids.int(), weights, SWIGLU_LIMIT, *BLOCK)
-    # measured (float32 ulps of max|float64 reference|, avx2 / portable / avx512 with bfloat16 dot products, also
-    # emulated): 6.5 / 5.7 / 6.5 at T = 5, 5.9 / 6.2 / 2.6 at T = 40
-    _close(got.double(), _experts_reference(x.float(), w13, s13, w2, s2, ids, weights), ulps=F32_ULPS * 40)
+
+    def probe(w2_probe):  # ones and zeros: exact in E4M3 with unit scales
+        return ops.moe_experts_fp8(x, w13, s13, w2_probe.to(E4M3), torch.ones(s2.shape), ids.int(), weights,
+                                   SWIGLU_LIMIT, *BLOCK)
+
+    w13_f = torch.stack([fp8_ops.dequantize_parts(w13[e], s13[e], [inter, inter], BLOCK, torch.float64)
+                         for e in range(E)])
+    w2_f = torch.stack([fp8_ops.dequantize_parts(w2[e], s2[e], [D], BLOCK, torch.float64) for e in range(E)])
+    h = check_rounded_h(kernel_h(probe, ids, weights, inter, E, D), x, w13_f, ids, SWIGLU_LIMIT, torch.bfloat16)
+    # the down products and the sum against the kernel's own h; measured (float32 ulps of max|float64 reference|,
+    # avx2 / portable / avx512 with bfloat16 dot products, also emulated): 3.0 / 3.0 / 1.6
+    _close(got.double(), experts_down(h, w2_f, ids, weights), ulps=F32_ULPS * 12)
 
 
 # ---------------------------------------------------------------------------------------------------------
