@@ -229,16 +229,18 @@ def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
 
 
 # Tokens per expert: T = 5: 0-4 (direct; one token: float32 forms); 8: 2-6 (direct, one row alone past kTok;
-# few-token path on portable); 40: 10-37 (across the lanes). h is rounded to bfloat16 (csrc/moe.cpp as_h); where
-# the CPU has bfloat16 dot products both steps take bfloat16 pairs on the direct and tile paths. The intermediate
-# size spans a whole and a ragged column block of W2, and 4 x inter <= D for kernel_h.
+# few-token path on portable); 40: 10-37 (across the lanes). h is rounded to the tokens' dtype (csrc/moe.cpp
+# as_h); where the CPU has bfloat16 dot products both steps of bfloat16 tokens take bfloat16 pairs on the direct and
+# tile paths (float16 tokens keep the float32 forms). The intermediate size spans a whole and a ragged column block
+# of W2, and 4 x inter <= D for kernel_h.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T", [5, 8, 40])
-def test_fp8_experts_bfloat16_tokens(T):
+def test_fp8_experts_16bit_tokens(T, dtype):
     gen = _gen(11 + T)
     D, inter = 560, 136
     w13, s13, w2, s2 = _expert_stacks(D, inter, gen)
     ids, weights = _routing(T, 2, gen)
-    x = (4 * torch.randn(T, D, generator=gen)).bfloat16()
+    x = (4 * torch.randn(T, D, generator=gen)).to(dtype)
     got = ops.moe_experts_fp8(x, w13, s13, w2, s2, ids.int(), weights, SWIGLU_LIMIT, *BLOCK)
 
     def probe(w2_probe):  # ones and zeros: exact in E4M3 with unit scales
@@ -248,9 +250,10 @@ def test_fp8_experts_bfloat16_tokens(T):
     w13_f = torch.stack([fp8_ops.dequantize_parts(w13[e], s13[e], [inter, inter], BLOCK, torch.float64)
                          for e in range(E)])
     w2_f = torch.stack([fp8_ops.dequantize_parts(w2[e], s2[e], [D], BLOCK, torch.float64) for e in range(E)])
-    h = check_rounded_h(kernel_h(probe, ids, weights, inter, E, D), x, w13_f, ids, SWIGLU_LIMIT, torch.bfloat16)
+    h = check_rounded_h(kernel_h(probe, ids, weights, inter, E, D), x, w13_f, ids, SWIGLU_LIMIT, dtype)
     # the down products and the sum against the kernel's own h; measured (float32 ulps of max|float64 reference|,
-    # avx2 / portable / avx512 with bfloat16 dot products, also emulated): 3.0 / 3.0 / 1.6
+    # avx2 / portable / avx512 with bfloat16 dot products, also emulated): bfloat16 3.0 / 3.0 / 1.6, float16
+    # 2.9 / 2.7 / 2.9
     _close(got.double(), experts_down(h, w2_f, ids, weights), ulps=F32_ULPS * 12)
 
 
