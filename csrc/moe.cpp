@@ -441,7 +441,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
     // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row
     std::vector<float> buf(2 * kE4m3DirectMaxTokens * D);
-    std::vector<float> tile(kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
+    std::vector<float> tile(pairs ? 0 : kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
     std::vector<c10::BFloat16> tile16(pairs ? kRowTile * block_k : 0);
     float acc_gate[2][kE4m3DirectMaxTokens], acc_up[2][kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
@@ -549,7 +549,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   const std::vector<Task> down_tasks = expert_tasks(count, D);
   at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
     std::vector<float> buf(std::max(kE4m3DirectMaxTokens, int64_t{2}) * I);  // direct: scaled h rows; few: two W2 rows
-    std::vector<float> tile(kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
+    std::vector<float> tile(down_pairs ? 0 : kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
     std::vector<c10::BFloat16> tile16(down_pairs ? kRowTile * block_k : 0);
     float acc_direct[2][kE4m3DirectMaxTokens];
     const float* hs[kE4m3DirectMaxTokens];
