@@ -4,7 +4,11 @@
 
 Geometry: the real per-head sizes (KDA heads of 128, latent 512, indexer 4 heads of 128, index_topk 64,
 pools of 4), float32 as in the parity tests, 4 KDA / MLA heads as in the kernel-friendly tiny checkpoint
-(``--heads`` to change). ``VLLM_GLM53_CPU_ISA=avx2`` (or ``portable``) times another instruction set's kernels.
+(``--heads`` to change). Cache pages of ``--block`` tokens: 512 by default, the smallest token block vLLM gives
+the released model's hybrid cache (a TP8 rank's; each block's page must cover a KDA state page, which grows with
+the heads a rank holds, so lower TP gets larger blocks). The page size sets how the indexer's reads are laid out:
+a page's pooled keys are contiguous (64 KiB per 512-token page in float32, 16 KiB per 128-token page).
+``VLLM_GLM53_CPU_ISA=avx2`` (or ``portable``) times another instruction set's kernels.
 
 Every timed call is cold, as in a model step where other layers ran in between: the last-level cache is flushed
 first (a write pass over a buffer twice its size), and each call works on a copy of the data (states, cache
@@ -203,12 +207,13 @@ def bench_kda_prefill(H: int, d: int, lengths: list[int], repeat: int, ops) -> l
 
 
 class PagedCache:
-    """``B`` sequences of ``S`` tokens in shuffled 128-token pages laid out as the plugin's latent cache (latent 512,
-    then the block's pooled indexer keys of 128, then raw keys and gates: backends/latent_cache.py), ``copies``
-    times over (each copy's block tables point at its own pages). The values are random: the indexer reads the
-    pooled-key region as the stored keys."""
+    """``B`` sequences of ``S`` tokens in shuffled pages of ``block`` tokens laid out as the plugin's latent cache
+    (latent 512, then the block's pooled indexer keys of 128, then raw keys and gates: backends/latent_cache.py),
+    ``copies`` times over (each copy's block tables point at its own pages). The values are random: the indexer
+    reads the pooled-key region as the stored keys."""
 
-    L, dI, nI, topk, kp, block = 512, 128, 4, 64, 4, 128
+    L, dI, nI, topk, kp = 512, 128, 4, 64, 4
+    block = 512  # --block
     ROW = cache_row_size(L, dI, kp)
 
     def __init__(self, B: int, S: int, copies: int):
@@ -448,17 +453,20 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4, help="KDA and MLA heads (4: the kernel-friendly tiny)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per MLA / indexer decode step")
     parser.add_argument("--max-context", type=int, default=8192)
+    parser.add_argument("--block", type=int, default=512, help="tokens per cache page (see above)")
     parser.add_argument("--only", choices=["kda", "mla", "indexer", "mhc", "moe", "linear16"], action="append")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    PagedCache.block = args.block
     ops = kernels.ops()
     read_bw, update_bw = bandwidths(args.repeat)
     contexts = [c for c in (16, 64, 256, 1024, 4096, 16384, 65536) if c <= args.max_context]
     only = set(args.only or ["kda", "mla", "indexer", "mhc", "moe", "linear16"])
 
     print(f"# CPU ops: {kernels.description()}; torch {torch.__version__}, {args.threads} threads; "
-          f"bandwidth: read {read_bw / 1e9:.1f} GB/s, in-place update {update_bw / 1e9:.1f} GB/s (read + write)\n")
+          f"bandwidth: read {read_bw / 1e9:.1f} GB/s, in-place update {update_bw / 1e9:.1f} GB/s (read + write); "
+          f"cache pages of {args.block} tokens\n")
     def show(lines: list[str]) -> None:
         print("\n".join(lines), end="\n\n", flush=True)
 
