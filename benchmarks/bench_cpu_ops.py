@@ -4,10 +4,11 @@
 
 Geometry: the real per-head sizes (KDA heads of 128, latent 512, indexer 4 heads of 128, index_topk 64,
 pools of 4), float32 as in the parity tests, 4 KDA / MLA heads as in the kernel-friendly tiny checkpoint
-(``--heads`` to change). Cache pages of ``--block`` tokens: 512 by default, the smallest token block vLLM gives
-the released model's hybrid cache (a TP8 rank's; each block's page must cover a KDA state page, which grows with
-the heads a rank holds, so lower TP gets larger blocks). The page size sets how the indexer's reads are laid out:
-a page's pooled keys are contiguous (64 KiB per 512-token page in float32, 16 KiB per 128-token page).
+(``--heads`` to change). Cache pages of ``--block`` tokens: 512 by default, the token block vLLM gives the
+released model's hybrid cache on a TP8 rank (each block's page must cover a KDA state page, which grows with the
+KDA heads a rank holds: 128 tokens would take TP32; TP1 gets several thousand). The page size sets how the
+indexer's reads are laid out: a page's pooled keys are contiguous (64 KiB per 512-token page in float32, 16 KiB
+per 128-token page).
 ``VLLM_GLM53_CPU_ISA=avx2`` (or ``portable``) times another instruction set's kernels.
 
 Every timed call is cold, as in a model step where other layers ran in between: the last-level cache is flushed
