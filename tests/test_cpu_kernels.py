@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import json
 import os
 
@@ -559,7 +560,7 @@ def kernel_h(run, ids, weights, inter, num_experts, hidden):
         probe[e, s * inter + torch.arange(inter), torch.arange(inter)] = 1.0
     out = run(probe).double()
     h = torch.empty(*ids.shape, inter, dtype=torch.float64)
-    for t, j in [(t, j) for t in range(ids.shape[0]) for j in range(ids.shape[1])]:
+    for t, j in itertools.product(range(ids.shape[0]), range(ids.shape[1])):
         s = used.index(int(ids[t, j]))
         h[t, j] = out[t, s * inter : (s + 1) * inter] / weights[t, j].double()
     return h
@@ -572,7 +573,7 @@ def check_rounded_h(h_kernel, x, w13, ids, limit, dtype):
     rounded = h_kernel.float().to(dtype).double()
     assert ((h_kernel - rounded).abs() <= 2.0**-22 * rounded.abs()).all(), "h is not rounded to " + str(dtype)
     inter, eps = w13.shape[1] // 2, 2.0**-18
-    for t, j in [(t, j) for t in range(ids.shape[0]) for j in range(ids.shape[1])]:
+    for t, j in itertools.product(range(ids.shape[0]), range(ids.shape[1])):
         e, xt = int(ids[t, j]), x[t].double()
         g, u = (w13[e].double() @ xt).split(inter)
         mg, mu = (w13[e].double().abs() @ xt.abs()).split(inter)
@@ -587,7 +588,7 @@ def check_rounded_h(h_kernel, x, w13, ids, limit, dtype):
 def experts_down(h, w2, ids, weights):
     """sum_j weights[t, j] * w2[ids[t, j]] @ h[t, j] in float64: the down products and the weighted sum."""
     out = torch.zeros(ids.shape[0], w2.shape[1], dtype=torch.float64)
-    for t, j in [(t, j) for t in range(ids.shape[0]) for j in range(ids.shape[1])]:
+    for t, j in itertools.product(range(ids.shape[0]), range(ids.shape[1])):
         out[t] += weights[t, j].double() * (w2[int(ids[t, j])].double() @ h[t, j])
     return out
 

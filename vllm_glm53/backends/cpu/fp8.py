@@ -48,6 +48,16 @@ def scale_rows(parts: list[int], block_n: int) -> int:
     return math.ceil((sum(parts) - parts[-1]) / block_n) + math.ceil(parts[-1] / block_n)
 
 
+def _part_blocks(weight: torch.Tensor, scale: torch.Tensor, parts: list[int], block_n: int):
+    """Each part of a fused weight as ``(first row, its rows of weight, its rows of scale)``: a part's scale rows
+    start at ceil(its first row / block_n) (module docstring)."""
+    row = 0
+    for n in parts:
+        first = math.ceil(row / block_n)
+        yield row, weight[row : row + n], scale[first : first + math.ceil(n / block_n)]
+        row += n
+
+
 def _block_reason(block: tuple[int, int]) -> str | None:
     bn, bk = block
     if bn <= 0 or bk <= 0 or bn % _BLOCK_MULTIPLE or bk % _BLOCK_MULTIPLE:
@@ -120,16 +130,12 @@ def _bf16_panels_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     panel = _panel_buffer(min(rows, N) * K)
     dequantize = kernels.ops().fp8_dequantize
     out = torch.empty(x.shape[0], N, dtype=torch.bfloat16)
-    row = 0
-    for n in parts:
-        first = math.ceil(row / bn)  # the part's first scale row (module docstring)
-        for r0 in range(0, n, rows):
-            m = min(rows, n - r0)
+    for row, w, s in _part_blocks(weight, scale, parts, bn):
+        for r0 in range(0, w.shape[0], rows):
+            m = min(rows, w.shape[0] - r0)
             p = panel[: m * K].view(m, K)
-            dequantize(weight[row + r0 : row + r0 + m], scale[first + r0 // bn : first + math.ceil((r0 + m) / bn)],
-                       [m], bn, bk, p)
+            dequantize(w[r0 : r0 + m], s[r0 // bn : math.ceil((r0 + m) / bn)], [m], bn, bk, p)
             torch.mm(x, p.t(), out=out[:, row + r0 : row + r0 + m])
-        row += n
     return out
 
 
@@ -183,14 +189,8 @@ def fp8_linear_torch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def dequantize_parts(weight: torch.Tensor, scale: torch.Tensor, parts: list[int], block: tuple[int, int],
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float values of a block-FP8 weight fused from ``parts`` (see the module docstring)."""
-    bn = block[0]
-    pieces, row = [], 0
-    for n in parts:
-        first = math.ceil(row / bn)
-        pieces.append(dequantize_block_fp8(weight[row : row + n], scale[first : first + math.ceil(n / bn)],
-                                           tuple(block), dtype=dtype))
-        row += n
-    return torch.cat(pieces)
+    return torch.cat([dequantize_block_fp8(w, s, tuple(block), dtype=dtype)
+                      for _, w, s in _part_blocks(weight, scale, parts, block[0])])
 
 
 # --- routed experts ----------------------------------------------------------------------------------------
