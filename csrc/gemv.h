@@ -103,8 +103,9 @@ constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 6 : kDirectMaxTokens;
 // the rows in cache). E4M3 rows with more than kTok tokens go one row at a time against all of them (one
 // accumulator per token): each weight is converted once instead of once per kTok tokens, for twice the token
 // loads. fp8_linear and FP8 experts at released sizes, caches flushed, 2 threads: avx2 1.2-1.8x faster at 3-4
-// tokens, portable 1.15-1.35x, avx512 1.1-1.3x at 5-8 (benchmarks/README.md). The sums are the same either way
-// (every accumulator adds the same products in the same order).
+// tokens, portable 1.15-1.35x, avx512 1.1-1.3x at 5-8 (benchmarks/README.md; on bfloat16 pairs, dot_rows_pairs
+// below, two rows at a time measured faster on Zen 5). The sums are the same either way (every accumulator adds the
+// same products in the same order).
 template <typename W, int A>
 inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const* ahead, int nr,
                      const float* const* xs, int n, int64_t len, float (*acc)[A]) {
@@ -268,18 +269,22 @@ inline void dot_tokens_pairs(const E4m3* const* rows, const E4m3* const* ahead, 
 }
 
 // dot_rows on bfloat16 pairs: 1 or 2 E4M3 rows of one row block (block_scales: its scale row, bk: the column block)
-// against n <= kE4m3DirectMaxTokens bfloat16 token rows; one row at a time against all of them past kTok tokens.
+// against n <= kPairsDirectMaxTokens bfloat16 token rows: both rows against up to kDirectMaxTokens tokens per pass
+// (each token load serves two rows), in passes of equal size. Zen 5, one core, from cache: 1.4-1.6x the weight
+// bytes per second of one row at a time at 5-8 tokens (6: 21 vs 13 GB/s, 8: 16 vs 10), although from 7 tokens a
+// pass's 4 n accumulators no longer fit the registers.
 template <int A>
 inline void dot_rows_pairs(const E4m3* const* rows, const E4m3* const* ahead, int nr, const c10::BFloat16* const* xs,
                            int n, const float* block_scales, int64_t len, int64_t bk, float (*acc)[A]) {
-  if (n > kTok) {
-    for (int r = 0; r < nr; ++r)
-      dot_tokens_pairs<1, kE4m3DirectMaxTokens>(rows + r, ahead != nullptr ? ahead + r : nullptr, xs, n, block_scales,
-                                                len, bk, acc + r);
-  } else if (nr == 2) {
-    dot_tokens_pairs<2>(rows, ahead, xs, n, block_scales, len, bk, acc);
-  } else {
-    dot_tokens_pairs<1>(rows, ahead, xs, n, block_scales, len, bk, acc);
+  const int passes = static_cast<int>(ceil_div(n, kDirectMaxTokens));
+  for (int p = 0; p < passes; ++p) {
+    const int j0 = n * p / passes, m = n * (p + 1) / passes - j0;
+    float(*a)[A] = reinterpret_cast<float(*)[A]>(acc[0] + j0);  // columns j0.. of both rows
+    const E4m3* const* pf = p == 0 ? ahead : nullptr;  // the later passes find the rows in cache
+    if (nr == 2)
+      dot_tokens_pairs<2, kDirectMaxTokens>(rows, pf, xs + j0, m, block_scales, len, bk, a);
+    else
+      dot_tokens_pairs<1, kDirectMaxTokens>(rows, pf, xs + j0, m, block_scales, len, bk, a);
   }
 }
 
@@ -326,6 +331,13 @@ inline void rows_by_token_pairs_n(int nr, const c10::BFloat16* rows, int64_t ld,
   rows_by_token_pairs<R>(rows, ld, xp, len, scale, accumulate, ahead, ahead_bytes, acc);
 }
 #endif
+
+// Tokens up to which block-FP8 products on the bfloat16 pairs take the direct path (dot_rows_pairs) rather than the
+// tile path, which costs the same for any count up to a token group's kLanes. Zen 5, released sizes, caches
+// flushed, 2 threads, bfloat16 tokens, time on the tile path / direct: fp8_linear 12288 x 4096 1.37 / 1.19-1.31 /
+// 1.09-1.14 / 0.90 / 0.83 at 9 / 10 / 12 / 14 / 16 tokens; four experts with as many tokens each 1.39 / 1.15-1.37 /
+// 1.08-1.21 / 0.85 / 0.89.
+constexpr int64_t kPairsDirectMaxTokens = GLM53_AVX512 ? 12 : kE4m3DirectMaxTokens;
 
 // Whether block-FP8 products take the bfloat16 pairs above (direct path and tiles) for tokens of dtype ``tokens``
 // and K columns: an avx512 build on a CPU with bfloat16 dot products, bfloat16 tokens (exact as bfloat16), K even.

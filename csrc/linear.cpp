@@ -9,9 +9,9 @@
 // ceil(row offset of p / bn), where vLLM's fused-parameter loaders put them.
 //
 // Rows go in tasks of kRowsPerTask rows inside one row block of one part. Three paths, by the number of tokens M:
-//   direct  (M <= kDirectMaxTokens, kE4m3DirectMaxTokens for FP8; decode): one parallel region over the tasks
-//           streams every weight byte once, converting it in registers (gemv.h), so the call is bound by reading
-//           the weight;
+//   direct  (M <= kDirectMaxTokens, kE4m3DirectMaxTokens for FP8, kPairsDirectMaxTokens for FP8 rows and bfloat16
+//           tokens on bfloat16 dot products; decode): one parallel region over the tasks streams every weight byte
+//           once, converting it in registers (gemv.h), so the call is bound by reading the weight;
 //   tile    (up to kPanelMinTokens, decode batches): the tokens lie across the vector lanes (transposed once) and
 //           kRowTile rows at a time, widened / dequantized a chunk of columns at a time into an L1-resident float32
 //           buffer, are broadcast against them (gemv.h's rows_by_tokens: no horizontal sums, one token load per
@@ -127,7 +127,11 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
   }
   GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "linear output", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
-    if (M > Rows::kDirectMax) {
+    // Block-FP8 rows and bfloat16 tokens on a CPU with bfloat16 dot products: the direct path takes them as they
+    // are, against the E4M3 values as bfloat16 (gemv.h's dot_rows_pairs), up to kPairsDirectMaxTokens tokens.
+    constexpr bool kMayPair = std::is_same_v<W, E4m3> && std::is_same_v<scalar_t, c10::BFloat16>;
+    const bool direct_pairs = kMayPair && M >= 2 && bf16_pairs(at::kBFloat16, K);
+    if (M > (direct_pairs ? kPairsDirectMaxTokens : Rows::kDirectMax)) {
       const int64_t groups = ceil_div(M, kLanes);
       // Every task's rows, kRowTile at a time, against all token groups xt, ``chunk`` columns at a time; widen(task,
       // r, k0, n, out) writes row r's columns [k0, k0 + n) into a Tile-typed buffer, block_scales(task) is what
@@ -187,7 +191,8 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
     }
     // Every task's rows two at a time: make_dot() gives each thread a dot(task, pair, next, nr, acc) that fills
     // acc[i][j] for the nr rows and the M tokens (``next``: the rows to prefetch meanwhile, or null).
-    using Acc = float[2][Rows::kDirectMax];
+    constexpr int64_t kMaxDirect = std::max(Rows::kDirectMax, kMayPair ? kPairsDirectMaxTokens : int64_t{0});
+    using Acc = float[2][kMaxDirect];
     const auto row_pairs = [&](const auto& make_dot) {
       at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
         auto dot = make_dot();
@@ -213,10 +218,10 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
     // against the E4M3 values as bfloat16, each column block's sums times its scale (gemv.h's dot_rows_pairs).
     // 12288 x 4096, Zen 4, 2 threads: 1.7-1.8x faster at 4 and 8 tokens; at one token it was slower (2.7-2.8 vs
     // 3.1-3.6 ms: converting the weight costs more than the products saved).
-    if constexpr (std::is_same_v<W, E4m3> && std::is_same_v<scalar_t, c10::BFloat16>) {
-      if (M >= 2 && bf16_pairs(at::kBFloat16, K)) {
+    if constexpr (kMayPair) {
+      if (direct_pairs) {
         const at::Tensor xb = x.to(at::kBFloat16);  // exact: the tokens were bfloat16
-        const c10::BFloat16* xs[Rows::kDirectMax];
+        const c10::BFloat16* xs[kMaxDirect];
         for (int64_t j = 0; j < M; ++j) xs[j] = xb.data_ptr<c10::BFloat16>() + j * K;
         row_pairs([&] {
           return [&](const RowTask& task, const W* const* pair, const W* const* next, int nr, Acc& acc) {
@@ -235,7 +240,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
           if (task.scale_row != prepared_for) rows.scale_tokens(task, xp, M, K, xs_buf.data());
           prepared_for = task.scale_row;
         }
-        const float* xs[Rows::kDirectMax];
+        const float* xs[kMaxDirect];
         for (int64_t j = 0; j < M; ++j) xs[j] = (scaled_tokens ? xs_buf.data() : xp) + j * K;
         dot_rows(pair, next, nr, xs, static_cast<int>(M), K, acc);
       };

@@ -21,7 +21,8 @@
 //
 // moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes. Below kAcrossLanesMinTokens
 // it has two forms: at most kE4m3DirectMaxTokens tokens, the direct path (tokens pre-multiplied by the row block's
-// scales, E4M3 rows converted as they stream); more (only where the direct path stops below
+// scales, E4M3 rows converted as they stream; with bfloat16 pairs in both steps up to kPairsDirectMaxTokens, past
+// kAcrossLanesMinTokens too); more (only where the direct path stops below
 // kAcrossLanesMinTokens: the portable build's 5-6 tokens), each row dequantized into L1 and dotted with kTok tokens
 // at a time. The tile path dequantizes its rows. It serves every batch size, prefill included: there is no
 // dequantized copy for torch's GEMMs to use.
@@ -145,11 +146,12 @@ struct AcrossLanes {
   static uint32_t* pairs(const at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>()); }
 };
 
-AcrossLanes tile_tokens(const Routing& g, int64_t I, bool pairs = false, bool h_pairs = false) {
+AcrossLanes tile_tokens(const Routing& g, int64_t I, int64_t min_tokens = kAcrossLanesMinTokens, bool pairs = false,
+                        bool h_pairs = false) {
   AcrossLanes a;
   a.group0.assign(g.E + 1, 0);
   for (int64_t e = 0; e < g.E; ++e)
-    a.group0[e + 1] = a.group0[e] + (g.count[e] >= kAcrossLanesMinTokens ? ceil_div(g.count[e], kLanes) : 0);
+    a.group0[e + 1] = a.group0[e] + (g.count[e] >= min_tokens ? ceil_div(g.count[e], kLanes) : 0);
   a.xt = pairs ? at::empty({a.group0[g.E] * g.D / 2 * kLanes}, g.x.options().dtype(at::kInt))
                : at::empty({a.group0[g.E] * g.D * kLanes}, g.x.options());
   a.ht = h_pairs ? at::empty({a.group0[g.E] * I / 2 * kLanes}, g.x.options().dtype(at::kInt))
@@ -385,7 +387,8 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
 // The same with block-FP8 weights kept as E4M3 bytes: w13 [E, 2I, D] and w2 [E, D, I] float8_e4m3fn, their
 // float32 block scales w13_scale [E, 2 * ceil(I / bn), ceil(D / bk)] (gate blocks, then up blocks: the two halves
 // are separate checkpoint tensors, each with its own ragged last block) and w2_scale [E, ceil(D / bn),
-// ceil(I / bk)]. Per expert, the direct path for at most kE4m3DirectMaxTokens tokens, else the tile path (gemv.h).
+// ceil(I / bk)]. Per expert, the direct path for at most kE4m3DirectMaxTokens tokens (kPairsDirectMaxTokens on
+// bfloat16 pairs), else the tile path (gemv.h).
 at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const at::Tensor& w13_scale_,
                            const at::Tensor& w2_, const at::Tensor& w2_scale_, const at::Tensor& ids_,
                            const at::Tensor& weights_, double swiglu_limit, int64_t block_n, int64_t block_k) {
@@ -433,7 +436,10 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     hp[slot * I + r] = v;
     if (hbp != nullptr) hbp[slot * I + r] = c10::BFloat16(v);
   };
-  AcrossLanes lanes = tile_tokens(g, I, pairs, down_pairs);
+  // Experts up to direct_max tokens take the direct path in both steps (with bfloat16 pairs in both, further than
+  // the float32 forms go: gemv.h's kPairsDirectMaxTokens), the others from kAcrossLanesMinTokens the tile path.
+  const int64_t direct_max = down_pairs ? kPairsDirectMaxTokens : kE4m3DirectMaxTokens;
+  AcrossLanes lanes = tile_tokens(g, I, std::max(kAcrossLanesMinTokens, direct_max + 1), pairs, down_pairs);
   const int64_t chunk = ceil_div(kColumnChunk, block_k) * block_k;  // tile columns: whole scale blocks
 
   // 1. h = clamped_swiglu(W13_e x): a task's rows lie in one gate row block and the same up row block.
@@ -443,7 +449,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     std::vector<float> buf(2 * kE4m3DirectMaxTokens * D);
     std::vector<float> tile(pairs ? 0 : kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
     std::vector<c10::BFloat16> tile16(pairs ? kRowTile * block_k : 0);
-    float acc_gate[2][kE4m3DirectMaxTokens], acc_up[2][kE4m3DirectMaxTokens];
+    float acc_gate[2][kPairsDirectMaxTokens], acc_up[2][kPairsDirectMaxTokens];
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
     for (; b < end; ++b) {
       const Task& task = up_tasks[b];
@@ -452,9 +458,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const float* gate_scale = s13p + (e * 2 * nbI + task.row0 / block_n) * kbD;
       const float* up_scale = gate_scale + nbI * kbD;
 #if GLM53_AVX512
-      if (pairs && c1 - c0 >= 2 && c1 - c0 <= kE4m3DirectMaxTokens) {  // one token: as linear.cpp
+      if (pairs && c1 - c0 >= 2 && c1 - c0 <= direct_max) {  // one token: as linear.cpp
         const int n = static_cast<int>(c1 - c0);
-        const c10::BFloat16* xs[kE4m3DirectMaxTokens];
+        const c10::BFloat16* xs[kPairsDirectMaxTokens];
         for (int j = 0; j < n; ++j) xs[j] = xb.data_ptr<c10::BFloat16>() + token_at[c0 + j] * D;
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
@@ -551,7 +557,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     std::vector<float> buf(std::max(kE4m3DirectMaxTokens, int64_t{2}) * I);  // direct: scaled h rows; few: two W2 rows
     std::vector<float> tile(down_pairs ? 0 : kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
     std::vector<c10::BFloat16> tile16(down_pairs ? kRowTile * block_k : 0);
-    float acc_direct[2][kE4m3DirectMaxTokens];
+    float acc_direct[2][kPairsDirectMaxTokens];
     const float* hs[kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;
     for (; b < end; ++b) {
@@ -561,9 +567,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const float* scale = s2p + (e * nbD + task.row0 / block_n) * kbI;
       const auto bytes = [&](int64_t r) { return reinterpret_cast<const char*>(we + r * s2r); };
 #if GLM53_AVX512
-      if (down_pairs && c1 - c0 >= 2 && c1 - c0 <= kE4m3DirectMaxTokens) {  // one token: the float32 form below
+      if (down_pairs && c1 - c0 >= 2 && c1 - c0 <= direct_max) {  // one token: the float32 form below
         const int n = static_cast<int>(c1 - c0);
-        const c10::BFloat16* hs16[kE4m3DirectMaxTokens];
+        const c10::BFloat16* hs16[kPairsDirectMaxTokens];
         for (int j = 0; j < n; ++j) hs16[j] = hbp + (c0 + j) * I;
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));

@@ -126,12 +126,13 @@ def test_fp8_linear_matches_dequantize_then_matmul(parts, K, M):
     _close(got, want, ulps=16)
 
 
-# (parts, K): fused ragged parts; a K inside one ragged block; two column blocks, the second ragged; an odd K (no
-# column pairs: the float32 tile path everywhere)
-@pytest.mark.parametrize("parts,K", [([200, 200], 320), ([72, 128, 40], 100), ([200], 700), ([200], 99)])
+# (parts, K): fused ragged parts; a K inside one ragged block and an odd last part (its last row alone); two column
+# blocks, the second ragged; an odd K (no column pairs: the float32 tile path everywhere)
+@pytest.mark.parametrize("parts,K", [([200, 200], 320), ([72, 128, 41], 100), ([200], 700), ([200], 99)])
 # direct (row pairs against up to kTok tokens; one row alone against more; bfloat16 pairs from 2 tokens where the
-# CPU has bfloat16 dot products); tile (one token group; three, the last partly empty)
-@pytest.mark.parametrize("M", [1, 3, 6, 16, 40])
+# CPU has bfloat16 dot products: both rows against all tokens, in two passes at 11); tile (one token group at 8 on
+# avx2, 11 and 16 without bfloat16 dot products; three groups, the last partly empty)
+@pytest.mark.parametrize("M", [1, 3, 6, 8, 11, 16, 40])
 def test_fp8_linear_in_bfloat16(parts, K, M):
     """bfloat16 activations: computed in float32 from the exact weights, rounded once to bfloat16. Where the CPU has
     bfloat16 dot products both paths multiply the E4M3 values as bfloat16 with the tokens in pairs of columns, each
@@ -228,13 +229,14 @@ def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
     assert (g[:, :inter] > SWIGLU_LIMIT).any() and (g[:, inter:].abs() > SWIGLU_LIMIT).any()
 
 
-# Tokens per expert: T = 5: 0-4 (direct; one token: float32 forms); 8: 2-6 (direct, one row alone past kTok;
-# few-token path on portable); 40: 10-37 (across the lanes). h is rounded to the tokens' dtype (csrc/moe.cpp
+# Tokens per expert: T = 5: 0-4 (direct; one token: float32 forms); 8: 2-7 (direct, one row alone past kTok;
+# few-token path on portable; 7 across the lanes on avx2); 24: 6-21 (10 and 11 on bfloat16 pairs: direct in two
+# passes; across the lanes elsewhere); 40: 13-37 (across the lanes). h is rounded to the tokens' dtype (csrc/moe.cpp
 # as_h); where the CPU has bfloat16 dot products both steps of bfloat16 tokens take bfloat16 pairs on the direct and
 # tile paths (float16 tokens keep the float32 forms). The intermediate size spans a whole and a ragged column block
 # of W2, and 4 x inter <= D for kernel_h.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("T", [5, 8, 40])
+@pytest.mark.parametrize("T", [5, 8, 24, 40])
 def test_fp8_experts_16bit_tokens(T, dtype):
     gen = _gen(11 + T)
     D, inter = 560, 136
