@@ -28,7 +28,9 @@ are checked inside the benchmark against the float32 dequantize-then-multiply re
 
 ``floor`` = weight bytes a step reads (dense and shared weights, the experts the routing used, block scales) /
 copy bandwidth (a ``copy_`` between two buffers far larger than the caches, STREAM convention: read + written
-bytes per second). ``fp8 step, weights cached``: the same step repeated on one input and routing without
+bytes per second), probed after every round of the batch's timed steps and taken as the median, so that the
+floor is measured at the same moments as the steps (on the shared VMs this is run on, the bandwidth moves by
+up to 2x within minutes; one probe before all batches made the floor ratio follow it). ``fp8 step, weights cached``: the same step repeated on one input and routing without
 flushing, so weights that fit the last-level cache stay there; close to the cold step, the step is bound by the
 kernels' arithmetic (E4M3 conversion) and per-op overheads, not by memory. ``RSS`` is the growth of the process's
 anonymous resident memory while a side loads (``RssAnon``), against the checkpoint's bytes.
@@ -75,15 +77,18 @@ def rss_anon() -> int:
     return 0
 
 
-def copy_bandwidth(repeat: int) -> float:
-    src = torch.ones(WORKING_SET // 4)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeat + 1):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * WORKING_SET / statistics.median(times[1:])
+_COPY: list[torch.Tensor] = []  # source and destination of the bandwidth probe, made once
+
+
+def copy_seconds() -> float:
+    """One ``copy_`` between two buffers far larger than the caches (the bandwidth probe: 2 * WORKING_SET bytes
+    read and written)."""
+    if not _COPY:
+        _COPY.extend([torch.ones(WORKING_SET // 4), torch.empty(WORKING_SET // 4)])
+        _COPY[1].copy_(_COPY[0])  # first touch
+    t0 = time.perf_counter()
+    _COPY[1].copy_(_COPY[0])
+    return time.perf_counter() - t0
 
 
 def write_checkpoint(path: Path, layers: int, experts: int) -> None:
@@ -226,12 +231,13 @@ def make_routing(layers, experts, T, gen):
     return routing
 
 
-def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = False) -> list[float]:
+def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = False) -> tuple[list[float], float]:
     """Median step time of each side over the same fresh inputs and routings, the caches flushed before each step
     and the sides interleaved step by step (alternating which goes first), so that both see the same moments of a
     host whose memory bandwidth drifts; ``cached``: the same input and routing every step, no flush, so the used
     weights stay in the last-level cache where they fit (the step's time without memory traffic: what the
-    kernels' arithmetic and the per-op overheads cost)."""
+    kernels' arithmetic and the per-op overheads cost). Also the copy bandwidth, probed once per round of steps
+    (median; the floor's denominator measured at the same moments as the steps, not minutes before them)."""
     gen = torch.Generator().manual_seed(seed)
     inputs = [(torch.randn(T, HIDDEN, generator=gen).to(dtype), make_routing(layers, experts, T, gen))
               for _ in range(repeat + 1)]
@@ -239,7 +245,7 @@ def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = 
         inputs = [inputs[0]] * (repeat + 1)
     for side in sides:
         side.step(*inputs[0])
-    times = [[] for _ in sides]
+    times, copies = [[] for _ in sides], []
     for i, (x, routing) in enumerate(inputs[1:]):
         for s in (range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))):
             if not cached:
@@ -247,7 +253,8 @@ def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = 
             t0 = time.perf_counter()
             sides[s].step(x, routing)
             times[s].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+        copies.append(copy_seconds())
+    return [statistics.median(t) for t in times], 2 * WORKING_SET / statistics.median(copies)
 
 
 def check(fp8: Fp8Side, bf16: Bf16Side, layers, experts, T) -> tuple[float, float, float]:
@@ -313,10 +320,9 @@ def main() -> None:
             bf16 = Bf16Side(f, args.layers, args.experts)
         gc.collect()
         rss_bf16 = rss_anon() - rss0 - rss_fp8
-    bw = copy_bandwidth(args.repeat)
 
     print(f"# FP8-resident FFN decode step on CPU: {kernels.description()}; torch {torch.__version__}, "
-          f"{args.threads} threads; copy bandwidth {bw / 1e9:.1f} GB/s (read + write); bf16 linears on "
+          f"{args.threads} threads; bf16 linears on "
           f"{'linear16' if runs_on_linear16(torch.bfloat16) else 'torch F.linear'}")
     print(f"# {args.layers} layers (1 dense + {args.layers - 1} MoE), {args.experts} experts top-{TOPK} + 1 shared, "
           f"hidden {HIDDEN}, expert intermediate {MOE_INTER}; checkpoint {ckpt_bytes / 2**20:.1f} MiB; "
@@ -324,18 +330,21 @@ def main() -> None:
           f"bf16 {rss_bf16 / 2**20:.1f} MiB ({rss_bf16 / ckpt_bytes:.2f}x)\n")
     print("| batch | bf16 step (ms) | fp8 step (ms) | speed-up | fp8 bytes read (MiB) | fp8 floor (ms) "
           "| fp8 / floor | fp8 step, weights cached (ms) | bf16 floor (ms) | bf16 / floor "
+          "| copy bandwidth during the steps (GB/s, read + write) "
           "| max rel. err: fp8 (float32 / bf16 activations) / bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in args.batches:
         errors = check(fp8, bf16, args.layers, args.experts, T)
-        t_bf16, t_fp8 = median_steps([bf16, fp8], torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T)
-        [t_cached] = median_steps([fp8], torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T,
-                                  cached=True)
+        (t_bf16, t_fp8), bw = median_steps([bf16, fp8], torch.bfloat16, T, args.layers, args.experts, args.repeat,
+                                           seed=T)
+        [t_cached], _ = median_steps([fp8], torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T,
+                                     cached=True)
         routing = make_routing(args.layers, args.experts, T, torch.Generator().manual_seed(T))
         b_fp8, b_bf16 = fp8.bytes_read(routing), bf16.bytes_read(routing)
         print(f"| {T} | {t_bf16 * 1e3:.2f} | {t_fp8 * 1e3:.2f} | {t_bf16 / t_fp8:.2f}x | {b_fp8 / 2**20:.1f} "
               f"| {b_fp8 / bw * 1e3:.2f} | {t_fp8 / (b_fp8 / bw):.2f} | {t_cached * 1e3:.2f} | {b_bf16 / bw * 1e3:.2f} "
-              f"| {t_bf16 / (b_bf16 / bw):.2f} | {' / '.join(f'{e:.1e}' for e in errors)} |", flush=True)
+              f"| {t_bf16 / (b_bf16 / bw):.2f} | {bw / 1e9:.1f} | {' / '.join(f'{e:.1e}' for e in errors)} |",
+              flush=True)
 
 
 if __name__ == "__main__":

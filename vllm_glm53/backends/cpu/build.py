@@ -131,10 +131,14 @@ def up_to_date(isa: str) -> bool:
 
 
 def compile_library(isa: str, target: Path, extra_cflags: tuple[str, ...] = (), extra_sources: tuple[Path, ...] = (),
-                    verbose: bool = False, force: bool = False) -> Path:
+                    verbose: bool = False, force: bool = False, src: Path | None = None) -> Path:
     """Compile csrc/ with ``isa``'s flags (and ``extra_cflags``) into ``target``, unless it is newer than every
-    kernel source and ``extra_sources`` (the tests' emulated avx512 build uses both)."""
-    src = source_dir()
+    kernel source and ``extra_sources`` (the tests' emulated avx512 build uses both). ``src``: another copy of csrc/
+    (benchmarks/bench_kernel_ab.py builds a git revision's), always compiled."""
+    if src is not None:
+        force = True
+    else:
+        src = source_dir()
     if not force and _newer_than_sources(target, extra_sources):
         return target
     with tempfile.TemporaryDirectory(prefix=f"glm53-kernels-{isa}-") as tmp:

@@ -1,0 +1,118 @@
+"""Two builds of the CPU kernels in one process: this tree's and a git revision's, called in turn on the same inputs
+with the caches flushed before each call, so that both see the same moments of a host whose speed drifts (on the
+shared VMs this project is measured on, separate runs of one build differ by up to 2x).
+
+    .venv/bin/python benchmarks/bench_kernel_ab.py [--base HEAD] [--tokens 2 4 6 8 ...] [--repeat 15]
+
+The revision's ``csrc/`` is compiled with the flags this tree's build uses for the loaded library's instruction set
+(``VLLM_GLM53_CPU_ISA`` picks another) and registered as ``torch.ops.vllm_glm53_base``. Ops, at the released model's
+sizes with block-FP8 weights and bfloat16 tokens: ``fp8_linear`` 12288 x 4096 (a fused gate|up of the dense layers,
+50 MB of E4M3) at M tokens, and ``moe_experts_fp8`` for 4 experts (D 4096, I 2048: 100 MB) with M tokens each.
+Medians of ``--repeat`` calls per build; the last column compares the two builds' outputs (relative max
+difference: zero where the arithmetic is the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from vllm_glm53.backends.cpu import build, kernels  # noqa: E402
+
+NAMESPACE = "vllm_glm53_base"
+_FLUSH = torch.ones(2 * (32 << 20) // 4)  # twice a 32 MiB L3
+
+
+def build_base(rev: str, isa: str, out_dir: Path) -> object:
+    """``rev``'s kernels for ``isa``, loaded as torch.ops.vllm_glm53_base."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "csrc"], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(out_dir, filter="data")
+    src = out_dir / "csrc"
+    registration = src / "registration.cpp"
+    text = registration.read_text()
+    renamed = text.replace("TORCH_LIBRARY(vllm_glm53,", f"TORCH_LIBRARY({NAMESPACE},").replace(
+        "TORCH_LIBRARY_IMPL(vllm_glm53,", f"TORCH_LIBRARY_IMPL({NAMESPACE},")
+    if renamed.count(NAMESPACE) != 2:
+        raise SystemExit(f"{rev}: csrc/registration.cpp does not register the ops as this script expects")
+    registration.write_text(renamed)
+    target = out_dir / f"base.{isa}.so"
+    build.compile_library(isa, target, src=src)
+    torch.ops.load_library(str(target))
+    return getattr(torch.ops, NAMESPACE)
+
+
+def compare(libs: dict, call, repeat: int) -> tuple[float, float, float]:
+    """Median seconds of each build's calls (alternating which goes first, caches flushed before each) and the
+    relative max difference of their outputs."""
+    times = {name: [] for name in libs}
+    for i in range(repeat):
+        for name in (list(libs) if i % 2 == 0 else list(reversed(libs))):
+            _FLUSH.mul_(1.0)
+            t0 = time.perf_counter()
+            call(libs[name])
+            times[name].append(time.perf_counter() - t0)
+    base, tree = (call(lib).float() for lib in libs.values())
+    diff = ((base - tree).abs().max() / base.abs().max()).item()
+    return statistics.median(times["base"]), statistics.median(times["tree"]), diff
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="git revision to compare with (default HEAD)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2, 4, 6, 8, 10, 12, 14, 16])
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--threads", type=int)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tree = kernels.ops()
+    if tree is None:
+        raise SystemExit(f"needs the compiled kernels: {kernels.description()}")
+    with tempfile.TemporaryDirectory(prefix="glm53-base-") as tmp:
+        libs = {"base": build_base(args.base, kernels.isa(), Path(tmp)), "tree": tree}
+
+    gen = torch.Generator().manual_seed(0)
+    D, N, I, E, block = 4096, 12288, 2048, 4, 128
+
+    def e4m3(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.1).to(torch.float8_e4m3fn)
+
+    def scales(*shape):
+        return torch.rand(*shape, generator=gen) + 0.5
+
+    w, s = e4m3(N, D), scales(N // block, D // block)
+    w13, s13 = e4m3(E, 2 * I, D), scales(E, 2 * I // block, D // block)
+    w2, s2 = e4m3(E, D, I), scales(E, D // block, I // block)
+    short = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], capture_output=True,
+                           text=True).stdout.strip()
+    print(f"# {kernels.description()}; base {args.base} ({short}) against this tree; {torch.get_num_threads()} "
+          f"threads, caches flushed, medians of {args.repeat}\n")
+    print("| op | tokens | base (ms) | this tree (ms) | base / this tree | outputs: max rel. difference |")
+    print("|---|---|---|---|---|---|")
+    for M in args.tokens:
+        x = torch.randn(M, D, generator=gen).bfloat16()
+        ops = [(f"fp8_linear {N} x {D}", lambda lib: lib.fp8_linear(x, w, s, [N], block, block))]
+        ids = torch.arange(E, dtype=torch.int32).repeat(M, 1)  # every token to all E experts: M tokens each
+        weights = torch.rand(M, E, generator=gen)
+        ops.append((f"moe_experts_fp8, {E} experts", lambda lib: lib.moe_experts_fp8(
+            x, w13, s13, w2, s2, ids, weights, 10.0, block, block)))
+        for name, call in ops:
+            base, this, diff = compare(libs, call, args.repeat)
+            print(f"| {name} | {M} | {base * 1e3:.3f} | {this * 1e3:.3f} | {base / this:.2f}x | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
