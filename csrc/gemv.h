@@ -169,6 +169,7 @@ template <int R>
 [[gnu::noinline]] void rows_by_tokens(const float* rows, int64_t ld, const float* xt, int64_t len, bool accumulate,
                                       const char* const* ahead, int64_t ahead_bytes, float (*acc)[kLanes]) {
   F16 s[R];
+#pragma GCC unroll 16  // a plain loop became a memset of the array (rep stos, once per call) before the unrolling
   for (int r = 0; r < R; ++r) s[r] = zero();
   const int64_t lines = ahead != nullptr ? ceil_div(ahead_bytes, 64) : 0;
   for (int64_t k0 = 0; k0 < len; k0 += kLanes) {
@@ -297,6 +298,7 @@ template <int R, int64_t LD = 0>
                                                           float (*acc)[kLanes]) {
   const int64_t ld = LD > 0 ? LD : ld_;
   __m512 s[R];
+#pragma GCC unroll 16  // as in rows_by_tokens
   for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
   const int64_t lines = ahead != nullptr ? ceil_div(ahead_bytes, 64) : 0;
   for (int64_t k0 = 0; k0 < len; k0 += 2 * kLanes) {
