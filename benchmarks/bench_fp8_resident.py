@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_kernel_ab (--base)
 
 from vllm_glm53.backends.cpu import fp8 as fp8_ops  # noqa: E402
 from vllm_glm53.backends.cpu import kernels  # noqa: E402
@@ -222,6 +223,22 @@ class Bf16Side:
         return total
 
 
+class OnKernels:
+    """A side whose steps call ``lib`` (another build of the kernels, bench_kernel_ab.build_base) instead of this
+    tree's."""
+
+    def __init__(self, side, lib) -> None:
+        self.side, self.lib = side, lib
+
+    def step(self, x, routing):
+        tree_ops = kernels.ops
+        kernels.ops = lambda: self.lib
+        try:
+            return self.side.step(x, routing)
+        finally:
+            kernels.ops = tree_ops
+
+
 def make_routing(layers, experts, T, gen):
     """Per MoE layer: top-8 distinct experts per token and float32 routing weights (fresh per call)."""
     routing = {}
@@ -233,7 +250,7 @@ def make_routing(layers, experts, T, gen):
 
 def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = False) -> tuple[list[float], float]:
     """Median step time of each side over the same fresh inputs and routings, the caches flushed before each step
-    and the sides interleaved step by step (alternating which goes first), so that both see the same moments of a
+    and the sides interleaved step by step (each going first in turn), so that all see the same moments of a
     host whose memory bandwidth drifts; ``cached``: the same input and routing every step, no flush, so the used
     weights stay in the last-level cache where they fit (the step's time without memory traffic: what the
     kernels' arithmetic and the per-op overheads cost). Also the copy bandwidth, probed once per round of steps
@@ -247,7 +264,8 @@ def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = 
         side.step(*inputs[0])
     times, copies = [[] for _ in sides], []
     for i, (x, routing) in enumerate(inputs[1:]):
-        for s in (range(len(sides)) if i % 2 == 0 else reversed(range(len(sides)))):
+        for s in (i + k for k in range(len(sides))):  # each side first in turn
+            s %= len(sides)
             if not cached:
                 flush_caches()
             t0 = time.perf_counter()
@@ -288,6 +306,9 @@ def main() -> None:
     parser.add_argument("--release-shapes", action="store_true",
                         help="hidden 4096, dense intermediate 12288, expert intermediate 2048 (defaults: 32 experts, "
                              "3 layers)")
+    parser.add_argument("--base", metavar="REV",
+                        help="also time the FP8 step on a git revision's kernels (built as bench_kernel_ab.py does), "
+                             "interleaved with this tree's: the last two columns")
     parser.add_argument("--write", help=argparse.SUPPRESS)  # the child that writes the checkpoint
     args = parser.parse_args()
     if args.release_shapes:
@@ -328,24 +349,35 @@ def main() -> None:
           f"hidden {HIDDEN}, expert intermediate {MOE_INTER}; checkpoint {ckpt_bytes / 2**20:.1f} MiB; "
           f"RSS after load: fp8 {rss_fp8 / 2**20:.1f} MiB ({rss_fp8 / ckpt_bytes:.2f}x checkpoint), "
           f"bf16 {rss_bf16 / 2**20:.1f} MiB ({rss_bf16 / ckpt_bytes:.2f}x)\n")
+    sides, base = [bf16, fp8], ""
+    if args.base:
+        from bench_kernel_ab import build_base
+
+        with tempfile.TemporaryDirectory(prefix="glm53-base-") as tmp:
+            sides.append(OnKernels(fp8, build_base(args.base, kernels.isa(), Path(tmp))))
+        base = f" | fp8 step on {args.base}'s kernels (ms) | {args.base} / this tree (max rel. difference)"
     print("| batch | bf16 step (ms) | fp8 step (ms) | speed-up | fp8 bytes read (MiB) | fp8 floor (ms) "
           "| fp8 / floor | fp8 step, weights cached (ms) | bf16 floor (ms) | bf16 / floor "
           "| copy bandwidth during the steps (GB/s, read + write) "
-          "| max rel. err: fp8 (float32 / bf16 activations) / bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| max rel. err: fp8 (float32 / bf16 activations) / bf16{base} |")
+    print("|---" * (12 + 2 * bool(args.base)) + "|")
     for T in args.batches:
         errors = check(fp8, bf16, args.layers, args.experts, T)
-        (t_bf16, t_fp8), bw = median_steps([bf16, fp8], torch.bfloat16, T, args.layers, args.experts, args.repeat,
-                                           seed=T)
+        times, bw = median_steps(sides, torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T)
+        t_bf16, t_fp8 = times[:2]
         [t_cached], _ = median_steps([fp8], torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T,
                                      cached=True)
         routing = make_routing(args.layers, args.experts, T, torch.Generator().manual_seed(T))
         b_fp8, b_bf16 = fp8.bytes_read(routing), bf16.bytes_read(routing)
-        print(f"| {T} | {t_bf16 * 1e3:.2f} | {t_fp8 * 1e3:.2f} | {t_bf16 / t_fp8:.2f}x | {b_fp8 / 2**20:.1f} "
-              f"| {b_fp8 / bw * 1e3:.2f} | {t_fp8 / (b_fp8 / bw):.2f} | {t_cached * 1e3:.2f} | {b_bf16 / bw * 1e3:.2f} "
-              f"| {t_bf16 / (b_bf16 / bw):.2f} | {bw / 1e9:.1f} | {' / '.join(f'{e:.1e}' for e in errors)} |",
-              flush=True)
-
+        row = (f"| {T} | {t_bf16 * 1e3:.2f} | {t_fp8 * 1e3:.2f} | {t_bf16 / t_fp8:.2f}x | {b_fp8 / 2**20:.1f} "
+               f"| {b_fp8 / bw * 1e3:.2f} | {t_fp8 / (b_fp8 / bw):.2f} | {t_cached * 1e3:.2f} | {b_bf16 / bw * 1e3:.2f} "
+               f"| {t_bf16 / (b_bf16 / bw):.2f} | {bw / 1e9:.1f} | {' / '.join(f'{e:.1e}' for e in errors)} |")
+        if args.base:
+            x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(7)).bfloat16()
+            want, got = fp8.step(x, routing).float(), sides[2].step(x, routing).float()
+            diff = ((got - want).abs().max() / want.abs().max()).item()
+            row += f" {times[2] * 1e3:.2f} | {times[2] / t_fp8:.2f}x ({diff:.1e}) |"
+        print(row, flush=True)
 
 if __name__ == "__main__":
     main()
