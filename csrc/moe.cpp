@@ -582,7 +582,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         }
         continue;
       }
-      if (down_pairs && c1 - c0 >= kAcrossLanesMinTokens) {
+      if (down_pairs && lanes.groups(e) > 0) {  // the experts tile_tokens laid out: past direct_max tokens
         down_tile(
             task.row0, last, bytes, 1,
             [&](int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) { e4m3_to_bf16(we + r * s2r + k0, n, out); },
