@@ -6,8 +6,9 @@ shared VMs this project is measured on, separate runs of one build differ by up 
 
 The revision's ``csrc/`` is compiled with the flags this tree's build uses for the loaded library's instruction set
 (``VLLM_GLM53_CPU_ISA`` picks another) and registered as ``torch.ops.vllm_glm53_base``. Ops, at the released model's
-sizes with block-FP8 weights and bfloat16 tokens: ``fp8_linear`` 12288 x 4096 (a fused gate|up of the dense layers,
-50 MB of E4M3) at M tokens, and ``moe_experts_fp8`` for 4 experts (D 4096, I 2048: 100 MB) with M tokens each.
+sizes with block-FP8 weights (random values quantized by block) and bfloat16 tokens: ``fp8_linear`` 12288 x 4096
+(a fused gate|up of the dense layers, 50 MB of E4M3) at M tokens, and ``moe_experts_fp8`` for 4 experts (D 4096,
+I 2048: 100 MB) with M tokens each.
 Medians of ``--repeat`` calls per build; the last column compares the two builds' outputs (relative max
 difference: zero where the arithmetic is the same).
 """
@@ -30,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vllm_glm53.backends.cpu import build, kernels  # noqa: E402
+from vllm_glm53.quant.fp8_block import quantize_block_fp8  # noqa: E402
 
 NAMESPACE = "vllm_glm53_base"
 _FLUSH = torch.ones(2 * (32 << 20) // 4)  # twice a 32 MiB L3
@@ -87,15 +89,16 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     D, N, I, E, block = 4096, 12288, 2048, 4, 128
 
-    def e4m3(*shape):
-        return (torch.randn(*shape, generator=gen) * 0.1).to(torch.float8_e4m3fn)
+    def quantized(experts, n, k):
+        """Block-quantized random weights, as a checkpoint holds them: a block's largest value is 448 and E4M3
+        subnormals are as rare as there (~1e-4 of the values; a plain cast of random values makes ~12% of them
+        subnormal, which a conversion with a slow path for them would be timed on)."""
+        pairs = [quantize_block_fp8(torch.randn(n, k, generator=gen) / k**0.5, (block, block)) for _ in range(experts)]
+        return torch.stack([w for w, _ in pairs]), torch.stack([s for _, s in pairs])
 
-    def scales(*shape):
-        return torch.rand(*shape, generator=gen) + 0.5
-
-    w, s = e4m3(N, D), scales(N // block, D // block)
-    w13, s13 = e4m3(E, 2 * I, D), scales(E, 2 * I // block, D // block)
-    w2, s2 = e4m3(E, D, I), scales(E, D // block, I // block)
+    (w,), (s,) = quantized(1, N, D)
+    w13, s13 = quantized(E, 2 * I, D)
+    w2, s2 = quantized(E, D, I)
     short = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], capture_output=True,
                            text=True).stdout.strip()
     print(f"# {kernels.description()}; base {args.base} ({short}) against this tree; {torch.get_num_threads()} "
