@@ -30,9 +30,10 @@ are checked inside the benchmark against the float32 dequantize-then-multiply re
 copy bandwidth (a ``copy_`` between two buffers far larger than the caches, STREAM convention: read + written
 bytes per second), probed after every round of the batch's timed steps and taken as the median, so that the
 floor is measured at the same moments as the steps (on the shared VMs this is run on, the bandwidth moves by
-up to 2x within minutes; one probe before all batches made the floor ratio follow it). ``fp8 step, weights cached``: the same step repeated on one input and routing without
-flushing, so weights that fit the last-level cache stay there; close to the cold step, the step is bound by the
-kernels' arithmetic (E4M3 conversion) and per-op overheads, not by memory. ``RSS`` is the growth of the process's
+up to 2x within minutes; one probe before all batches made the floor ratio follow it). ``fp8 step, weights
+cached``: the same step repeated on one input and routing without flushing, so weights that fit the last-level
+cache stay there; close to the cold step, the step is bound by the kernels' arithmetic (E4M3 conversion) and
+per-op overheads, not by memory. ``RSS`` is the growth of the process's
 anonymous resident memory while a side loads (``RssAnon``), against the checkpoint's bytes.
 """
 
@@ -370,14 +371,16 @@ def main() -> None:
         routing = make_routing(args.layers, args.experts, T, torch.Generator().manual_seed(T))
         b_fp8, b_bf16 = fp8.bytes_read(routing), bf16.bytes_read(routing)
         row = (f"| {T} | {t_bf16 * 1e3:.2f} | {t_fp8 * 1e3:.2f} | {t_bf16 / t_fp8:.2f}x | {b_fp8 / 2**20:.1f} "
-               f"| {b_fp8 / bw * 1e3:.2f} | {t_fp8 / (b_fp8 / bw):.2f} | {t_cached * 1e3:.2f} | {b_bf16 / bw * 1e3:.2f} "
-               f"| {t_bf16 / (b_bf16 / bw):.2f} | {bw / 1e9:.1f} | {' / '.join(f'{e:.1e}' for e in errors)} |")
+               f"| {b_fp8 / bw * 1e3:.2f} | {t_fp8 / (b_fp8 / bw):.2f} | {t_cached * 1e3:.2f} "
+               f"| {b_bf16 / bw * 1e3:.2f} | {t_bf16 / (b_bf16 / bw):.2f} | {bw / 1e9:.1f} "
+               f"| {' / '.join(f'{e:.1e}' for e in errors)} |")
         if args.base:
             x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(7)).bfloat16()
             want, got = fp8.step(x, routing).float(), sides[2].step(x, routing).float()
             diff = ((got - want).abs().max() / want.abs().max()).item()
             row += f" {times[2] * 1e3:.2f} | {times[2] / t_fp8:.2f}x ({diff:.1e}) |"
         print(row, flush=True)
+
 
 if __name__ == "__main__":
     main()
