@@ -246,12 +246,13 @@ def routed_experts_fp8_torch(x: torch.Tensor, w13: torch.Tensor, w13_scale: torc
     ``[E, D, I]`` float8_e4m3fn, w13_scale ``[E, 2 ceil(I/bn), ceil(D/bk)]`` (gate blocks, then up blocks),
     w2_scale ``[E, ceil(D/bn), ceil(I/bk)]``. Returns ``[T, D]`` float32.
 
-    Plain torch (any device): the experts that received tokens dequantized to float32, then the unquantized loop."""
+    Plain torch (any device): the experts that received tokens dequantized to float32 (only those: a float32 copy of
+    every expert of a released-size layer is tens of GB), then the unquantized loop on them, renumbered in order."""
     inter = w13.shape[1] // 2
-    used = torch.unique(ids).tolist()
-    w13_f = torch.zeros(w13.shape, dtype=torch.float32, device=x.device)
-    w2_f = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
-    for e in used:
-        w13_f[e] = dequantize_parts(w13[e], w13_scale[e], [inter, inter], block)
-        w2_f[e] = dequantize_parts(w2[e], w2_scale[e], [w2.shape[1]], block)
-    return routed_experts_torch(x.float(), w13_f, w2_f, ids, weights, limit)
+    used, renumbered = torch.unique(ids, return_inverse=True)
+    w13_f = torch.empty((used.numel(), *w13.shape[1:]), dtype=torch.float32, device=x.device)
+    w2_f = torch.empty((used.numel(), *w2.shape[1:]), dtype=torch.float32, device=x.device)
+    for i, e in enumerate(used.tolist()):
+        w13_f[i] = dequantize_parts(w13[e], w13_scale[e], [inter, inter], block)
+        w2_f[i] = dequantize_parts(w2[e], w2_scale[e], [w2.shape[1]], block)
+    return routed_experts_torch(x.float(), w13_f, w2_f, renumbered.reshape(ids.shape), weights, limit)
