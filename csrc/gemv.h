@@ -60,8 +60,9 @@ inline int64_t token_chunk(int64_t len, int64_t bytes = kChunkBytes) {
 // over alternate lane groups, added at the end: with one, the chain of fused multiply-adds into it bound the loop
 // (a row pair against one token ~8 weight bytes a cycle, 25-28 GB/s on one Zen 5 core from L2 or from memory;
 // 32-33 from L2 with two). fp8_linear 12288 x 4096 at one token, caches flushed: 1.05-1.09x on one thread,
-// 1.02-1.03x on two (memory-bound there); FP8 experts 1.04x / 0.99-1.01x; avx2 within noise (its sums are two
-// 8-lane chains already). 16-bit rows stream twice the bytes per product and kept one sum (no gain measured).
+// 0.92-1.12x on two (six runs, median 1.03x: memory-bound there); FP8 experts 1.04x / 0.99-1.05x; avx2 within
+// noise (its sums are two 8-lane chains already). 16-bit rows stream twice the bytes per product and keep one sum
+// (linear16 0.95-1.00x with two).
 // Never inlined: inside the kernels' large parallel bodies GCC kept an accumulator and the E4M3 mask on the
 // stack (a store and two reloads per lane group); compiled on its own the loop keeps them in registers, about
 // 1.25x faster on the E4M3 decode path (one call per row pair: the call itself is noise).
