@@ -8,9 +8,9 @@
 // Block FP8 (weight[n, k] = float(e4m3[n, k]) * scale[n / bn, k / bk]) is computed two ways:
 //   direct  for a few tokens: the token rows are multiplied by one row block's scales (scale_by_blocks), then
 //           dotted with the E4M3 rows as they stream in (vec.h's E4M3 load), so every weight byte is read once
-//           and converted once (dot_rows); nothing is written but the results. Two or more bfloat16 tokens on a
-//           CPU with bfloat16 dot products: the token rows as they are against the E4M3 values as bfloat16, each
-//           column block's sums times its scale (dot_rows_pairs).
+//           and converted once (dot_rows); nothing is written but the results. bfloat16 tokens on a CPU with
+//           bfloat16 dot products: the token rows as they are (in unpack order) against the E4M3 values as
+//           bfloat16, each column block's sums times its scale (dot_rows_pairs).
 //   tile    for more tokens: the tokens lie across the vector lanes and a few rows at a time, dequantized a chunk
 //           of columns at a time into an L1-resident float32 buffer (dequantize_row), are broadcast against
 //           them (rows_by_tokens, below), so the conversion is paid once per weight value and pass. bfloat16
@@ -29,7 +29,7 @@ namespace glm53 {
 // Tokens sharing each load of a weight row: 2 rows x kTok tokens of accumulators in registers (vec.h).
 constexpr int kTok = kVectorRegs >= 32 ? 4 : 2;
 constexpr int64_t kRowsPerTask = 16;        // weight rows per parallel task (a multiple of kLanes: see below)
-constexpr int64_t kAhead = 1;               // prefetch distance in row pairs
+constexpr int64_t kAheadBytes = 8 << 10;    // prefetch distance of a stream of consecutive rows (rows_ahead)
 constexpr int64_t kChunkBytes = 128 << 10;  // float32 token rows a task works through per pass over its rows
 
 // E4M3 rows read as value * kE4m3Unit (vec.h), so a direct-path token row is multiplied by its block scales
@@ -47,6 +47,13 @@ constexpr int64_t kDirectMaxTokens = 2 * kTok;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Rows of ``row_bytes`` bytes that a stream of consecutive rows prefetches ahead of the one it reads (at least 1).
+// A row pair of released size (FP8: 2 x 2-4 KiB) prefetched 4 KiB ahead read 19 GB/s on one Zen 5 core from
+// memory, 8 KiB ahead 23-27 (C++ loop of dot_block; benchmarks/README.md).
+inline int64_t rows_ahead(int64_t row_bytes) {
+  return std::max<int64_t>(1, kAheadBytes / std::max<int64_t>(row_bytes, 1));
+}
+
 // Tokens per pass over a block of weight rows, so their ``len``-float rows stay in cache across the block.
 inline int64_t token_chunk(int64_t len, int64_t bytes = kChunkBytes) {
   return std::max<int64_t>(kTok, bytes / (4 * std::max<int64_t>(len, 1)) / kTok * kTok);
@@ -56,6 +63,8 @@ inline int64_t token_chunk(int64_t len, int64_t bytes = kChunkBytes) {
 // R rows to prefetch meanwhile, the ones the caller reads next. W: float, bfloat16, float16 or E4m3 (whose rows
 // then read as value * kE4m3Unit: the caller scales the tokens, see scale_by_blocks, and the sums are multiplied
 // by kE4m3SumScale here).
+// kRowTokens: each row has tokens of its own, row r's token j at xs[j] + r * row_step (a gate row and its up row,
+// each against the token times its own row block's scales: moe.cpp).
 // E4M3 rows with fewer than 4 sums (a row pair against one token, one row against up to 3) keep each sum as two,
 // over alternate lane groups, added at the end: with one, the chain of fused multiply-adds into it bound the loop
 // (a row pair against one token ~8 weight bytes a cycle, 25-28 GB/s on one Zen 5 core from L2 or from memory;
@@ -66,9 +75,9 @@ inline int64_t token_chunk(int64_t len, int64_t bytes = kChunkBytes) {
 // Never inlined: inside the kernels' large parallel bodies GCC kept an accumulator and the E4M3 mask on the
 // stack (a store and two reloads per lane group); compiled on its own the loop keeps them in registers, about
 // 1.25x faster on the E4M3 decode path (one call per row pair: the call itself is noise).
-template <int R, int N, typename W, int A>
+template <int R, int N, typename W, int A, bool kRowTokens = false>
 [[gnu::noinline]] void dot_block(const W* const* rows, std::type_identity_t<const W*> const* ahead,
-                                 const float* const* xs, int64_t len, float (*acc)[A]) {
+                                 const float* const* xs, int64_t len, float (*acc)[A], int64_t row_step = 0) {
   static_assert(N <= A);
   constexpr int C = std::is_same_v<W, E4m3> && R * N < 4 ? 2 : 1;  // sums a (row, token)
   F16 s[C][R][N];
@@ -86,8 +95,12 @@ template <int R, int N, typename W, int A>
       F16 w[R];
       for (int r = 0; r < R; ++r) w[r] = load(rows[r] + i, m);
       for (int j = 0; j < N; ++j) {
-        const F16 xv = load(xs[j] + i, m);
-        for (int r = 0; r < R; ++r) s[c][r][j] = fma(w[r], xv, s[c][r][j]);
+        if constexpr (kRowTokens) {
+          for (int r = 0; r < R; ++r) s[c][r][j] = fma(w[r], load(xs[j] + r * row_step + i, m), s[c][r][j]);
+        } else {
+          const F16 xv = load(xs[j] + i, m);
+          for (int r = 0; r < R; ++r) s[c][r][j] = fma(w[r], xv, s[c][r][j]);
+        }
       }
     }
   }
@@ -206,6 +219,27 @@ inline void rows_by_tokens_n(int nr, const float* rows, int64_t ld, const float*
   rows_by_tokens<R>(rows, ld, xt, len, accumulate, ahead, ahead_bytes, acc);
 }
 
+// Token rows as the direct path on bfloat16 pairs reads them (dot_block_pairs, below): bfloat16, each column block
+// of bk columns padded with zeros to a multiple of 64 (``block`` values), and within each 64 columns the order in
+// which vec.h's load_pairs_unpacked yields a weight's values: columns 0-7, 16-23, 32-39, 48-55, then 8-15, 24-31,
+// 40-47, 56-63. A row is ``len`` values; the padding's weights read as zero.
+struct UnpackOrder {
+  int64_t K, bk, block, len;
+  UnpackOrder(int64_t K_, int64_t bk_)
+      : K(K_), bk(bk_), block(ceil_div(bk_, 64) * 64), len(ceil_div(K_, bk_) * block) {}
+  bool padded() const { return len != K; }
+  // where column k (< K) lies
+  int64_t at(int64_t k) const {
+    const int64_t q = k % bk, c = q % 64;
+    return k / bk * block + q / 64 * 64 + (c & 8) * 4 + (c >> 4) * 8 + (c & 7);
+  }
+  // row x (K values) into out (len values; the padding, if any, already zero)
+  template <typename T>
+  void put(const T* x, c10::BFloat16* out) const {
+    for (int64_t k = 0; k < K; ++k) out[at(k)] = c10::BFloat16(static_cast<float>(x[k]));
+  }
+};
+
 #if GLM53_AVX512
 // ---- bfloat16 pairs (CPUs with AVX512_BF16) ----------------------------------------------------------------
 // Block-FP8 rows and bfloat16 tokens (a bfloat16 model's products) on vec.h's dot_pairs: every E4M3 value is a
@@ -213,9 +247,9 @@ inline void rows_by_tokens_n(int nr, const float* rows, int64_t ld, const float*
 // (bfloat16 already) two columns at a time, two exact products per lane and instruction, twice the float32 FMA's.
 // Each column block's sums are multiplied by the block's scale as they are added to the previous blocks' (the
 // rows lie in one row block), so the weights are the exact ones, as on the float32 paths. The direct path
-// (dot_rows_pairs) streams the rows against the token rows as they are; the tile path (rows_by_token_pairs)
-// widens a column block of kRowTile rows into L1 and broadcasts its pairs against the tokens laid across the
-// lanes in pairs of columns.
+// (dot_rows_pairs) streams the rows against the token rows (in unpack order, UnpackOrder above); the tile path
+// (rows_by_token_pairs) widens a column block of kRowTile rows into L1 and broadcasts its pairs against the tokens
+// laid across the lanes in pairs of columns.
 
 // xp[(g * K / 2 + p) * kLanes + lane]: token (g * kLanes + lane)'s columns 2p (low half) and 2p + 1 as bfloat16
 // (rounded to nearest even: exact for bfloat16 tokens), zero past the last token. K even.
@@ -240,36 +274,52 @@ GLM53_BF16_DOT inline void e4m3_to_bf16(const E4m3* w, int64_t n, c10::BFloat16*
   }
 }
 
-// The direct path on bfloat16 pairs: acc[r][j] = sum over the column blocks b of (block_scales[b] * 2^8) * (sum over
-// b's columns of rows[r] (E4M3 as bfloat16 values * 2^-8) * xs[j]) for R rows and N bfloat16 token rows: no scaled
-// copy of the tokens, each weight converted once for all N tokens and multiplied in pairs. Each block's sums are
-// kept apart (t) and added to the total scaled (s): 2 R N accumulators. ``ahead`` as in dot_block.
+// The direct path on bfloat16 pairs: acc[r][j] = sum over the column blocks b of (block_scales[r * scale_step + b] *
+// 2^8) * (sum over b's columns of rows[r] (E4M3 as bfloat16 values * 2^-8) * xs[j]) for R rows and N bfloat16
+// token rows in unpack order (UnpackOrder, with bk): no scaled copy of the tokens, each weight converted once for
+// all N tokens (load_pairs_unpacked) and multiplied in pairs. Each block's sums are kept apart (t) and added to the
+// total scaled (s); below 4 sums the low and the high halves of the 64-column groups have sums of their own (one
+// chain of dot products per sum bound the loop, as in dot_block). ``ahead`` as in dot_block.
+template <int R, int N, int C>
+[[gnu::always_inline]] GLM53_BF16_DOT inline void pairs_group(const E4m3* const* rows, const E4m3* const* ahead,
+                                                               const c10::BFloat16* const* xs, int64_t i, int64_t o,
+                                                               int m, __m512 (&t)[C][R][N]) {
+  if (ahead != nullptr)
+    for (int r = 0; r < R; ++r) __builtin_prefetch(ahead[r] + i);
+  __m512i lo[R], hi[R];
+  for (int r = 0; r < R; ++r) load_pairs_unpacked(rows[r] + i, m, lo[r], hi[r]);
+  for (int j = 0; j < N; ++j) {
+    const __m512i xl = _mm512_loadu_si512(xs[j] + o), xh = _mm512_loadu_si512(xs[j] + o + 32);
+    for (int r = 0; r < R; ++r) {
+      t[0][r][j] = dot_pairs(t[0][r][j], lo[r], xl);
+      t[C - 1][r][j] = dot_pairs(t[C - 1][r][j], hi[r], xh);
+    }
+  }
+}
+
 template <int R, int N, int A>
 [[gnu::noinline]] GLM53_BF16_DOT void dot_block_pairs(const E4m3* const* rows, const E4m3* const* ahead,
                                                       const c10::BFloat16* const* xs, const float* block_scales,
-                                                      int64_t len, int64_t bk, float (*acc)[A]) {
+                                                      int64_t scale_step, int64_t len, int64_t bk, float (*acc)[A]) {
   static_assert(N <= A);
-  __m512 s[R][N], t[R][N];
+  constexpr int C = R * N < 4 ? 2 : 1;
+  const int64_t block = ceil_div(bk, 64) * 64;
+  __m512 s[R][N], t[C][R][N];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < N; ++j) s[r][j] = _mm512_setzero_ps();
   for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < N; ++j) t[r][j] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < N; ++j) t[c][r][j] = _mm512_setzero_ps();
     const int64_t b1 = std::min(b0 + bk, len);
-    for (int64_t i = b0; i < b1; i += 2 * kLanes) {
-      const int m = static_cast<int>(std::min<int64_t>(2 * kLanes, b1 - i));
-      if (ahead != nullptr)
-        for (int r = 0; r < R; ++r) __builtin_prefetch(ahead[r] + i);
-      __m512i w[R];
-      for (int r = 0; r < R; ++r) w[r] = load_pairs(rows[r] + i, m);
-      for (int j = 0; j < N; ++j) {
-        const __m512i xv = load_pairs(xs[j] + i, m);
-        for (int r = 0; r < R; ++r) t[r][j] = dot_pairs(t[r][j], w[r], xv);
-      }
+    int64_t i = b0, o = kb * block;
+    for (; i + 64 <= b1; i += 64, o += 64) pairs_group<R, N, C>(rows, ahead, xs, i, o, 64, t);
+    if (i < b1) pairs_group<R, N, C>(rows, ahead, xs, i, o, static_cast<int>(b1 - i), t);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sc = _mm512_set1_ps(block_scales[r * scale_step + kb] * 0x1p8f);
+      for (int j = 0; j < N; ++j)
+        s[r][j] = _mm512_fmadd_ps(C > 1 ? _mm512_add_ps(t[0][r][j], t[1][r][j]) : t[0][r][j], sc, s[r][j]);
     }
-    const __m512 sc = _mm512_set1_ps(block_scales[kb] * 0x1p8f);
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < N; ++j) s[r][j] = _mm512_fmadd_ps(t[r][j], sc, s[r][j]);
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < N; ++j) acc[r][j] = reduce_add(F16{s[r][j]});
@@ -277,29 +327,31 @@ template <int R, int N, int A>
 
 template <int R, int N = kTok, int A>
 inline void dot_tokens_pairs(const E4m3* const* rows, const E4m3* const* ahead, const c10::BFloat16* const* xs, int n,
-                             const float* block_scales, int64_t len, int64_t bk, float (*acc)[A]) {
+                             const float* block_scales, int64_t scale_step, int64_t len, int64_t bk, float (*acc)[A]) {
   if constexpr (N > 1)
-    if (n < N) return dot_tokens_pairs<R, N - 1>(rows, ahead, xs, n, block_scales, len, bk, acc);
-  dot_block_pairs<R, N>(rows, ahead, xs, block_scales, len, bk, acc);
+    if (n < N) return dot_tokens_pairs<R, N - 1>(rows, ahead, xs, n, block_scales, scale_step, len, bk, acc);
+  dot_block_pairs<R, N>(rows, ahead, xs, block_scales, scale_step, len, bk, acc);
 }
 
-// dot_rows on bfloat16 pairs: 1 or 2 E4M3 rows of one row block (block_scales: its scale row, bk: the column block)
-// against n <= kPairsDirectMaxTokens bfloat16 token rows: both rows against up to kDirectMaxTokens tokens per pass
+// dot_rows on bfloat16 pairs: 1 or 2 E4M3 rows (block_scales: the first row's scale row, the second's scale_step
+// further; bk: the column block) against n <= kPairsDirectMaxTokens bfloat16 token rows in unpack order
+// (UnpackOrder): both rows against up to kDirectMaxTokens tokens per pass
 // (each token load serves two rows), in passes of equal size. Zen 5, one core, from cache: 1.4-1.6x the weight
 // bytes per second of one row at a time at 5-8 tokens (6: 21 vs 13 GB/s, 8: 16 vs 10), although from 7 tokens a
 // pass's 4 n accumulators no longer fit the registers.
 template <int A>
 inline void dot_rows_pairs(const E4m3* const* rows, const E4m3* const* ahead, int nr, const c10::BFloat16* const* xs,
-                           int n, const float* block_scales, int64_t len, int64_t bk, float (*acc)[A]) {
+                           int n, const float* block_scales, int64_t scale_step, int64_t len, int64_t bk,
+                           float (*acc)[A]) {
   const int passes = static_cast<int>(ceil_div(n, kDirectMaxTokens));
   for (int p = 0; p < passes; ++p) {
     const int j0 = n * p / passes, m = n * (p + 1) / passes - j0;
     float(*a)[A] = reinterpret_cast<float(*)[A]>(acc[0] + j0);  // columns j0.. of both rows
     const E4m3* const* pf = p == 0 ? ahead : nullptr;  // the later passes find the rows in cache
     if (nr == 2)
-      dot_tokens_pairs<2, kDirectMaxTokens>(rows, pf, xs + j0, m, block_scales, len, bk, a);
+      dot_tokens_pairs<2, kDirectMaxTokens>(rows, pf, xs + j0, m, block_scales, scale_step, len, bk, a);
     else
-      dot_tokens_pairs<1, kDirectMaxTokens>(rows, pf, xs + j0, m, block_scales, len, bk, a);
+      dot_tokens_pairs<1, kDirectMaxTokens>(rows, pf, xs + j0, m, block_scales, 0, len, bk, a);
   }
 }
 

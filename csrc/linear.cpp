@@ -128,9 +128,10 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
   GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "linear output", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     // Block-FP8 rows and bfloat16 tokens on a CPU with bfloat16 dot products: the direct path takes them as they
-    // are, against the E4M3 values as bfloat16 (gemv.h's dot_rows_pairs), up to kPairsDirectMaxTokens tokens.
+    // are (in unpack order), against the E4M3 values as bfloat16 (gemv.h's dot_rows_pairs), up to
+    // kPairsDirectMaxTokens tokens.
     constexpr bool kMayPair = std::is_same_v<W, E4m3> && std::is_same_v<scalar_t, c10::BFloat16>;
-    const bool direct_pairs = kMayPair && M >= 2 && bf16_pairs(at::kBFloat16, K);
+    const bool direct_pairs = kMayPair && bf16_pairs(at::kBFloat16, K);
     if (M > (direct_pairs ? kPairsDirectMaxTokens : Rows::kDirectMax)) {
       const int64_t groups = ceil_div(M, kLanes);
       // Every task's rows, kRowTile at a time, against all token groups xt, ``chunk`` columns at a time; widen(task,
@@ -193,6 +194,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
     // acc[i][j] for the nr rows and the M tokens (``next``: the rows to prefetch meanwhile, or null).
     constexpr int64_t kMaxDirect = std::max(Rows::kDirectMax, kMayPair ? kPairsDirectMaxTokens : int64_t{0});
     using Acc = float[2][kMaxDirect];
+    const int64_t ahead = 2 * rows_ahead(2 * K * static_cast<int64_t>(sizeof(W)));  // rows, a pair at a time
     const auto row_pairs = [&](const auto& make_dot) {
       at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
         auto dot = make_dot();
@@ -203,7 +205,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
           for (int64_t r = task.row0; r < last; r += 2) {
             const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
             const W* pair[2] = {rows.row(r), rows.row(r + nr - 1)};
-            const int64_t rn = std::min(r + 2 * kAhead, N - 2);
+            const int64_t rn = std::min(r + ahead, N - 2);
             const int64_t ra = std::max<int64_t>(rn, 0);  // rn < 0 (one row): nothing to prefetch
             const W* next[2] = {rows.row(ra), rows.row(ra + 1)};
             dot(task, pair, rn >= 0 ? next : nullptr, nr, acc);
@@ -214,18 +216,22 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
       });
     };
 #if GLM53_AVX512
-    // Block-FP8 rows and two or more bfloat16 tokens on a CPU with bfloat16 dot products: the tokens as they are,
-    // against the E4M3 values as bfloat16, each column block's sums times its scale (gemv.h's dot_rows_pairs).
-    // 12288 x 4096, Zen 4, 2 threads: 1.7-1.8x faster at 4 and 8 tokens; at one token it was slower (2.7-2.8 vs
-    // 3.1-3.6 ms: converting the weight costs more than the products saved).
+    // Block-FP8 rows and bfloat16 tokens on a CPU with bfloat16 dot products: the tokens as they are (in unpack
+    // order), against the E4M3 values as bfloat16, each column block's sums times its scale (gemv.h's
+    // dot_rows_pairs). 12288 x 4096, Zen 4, 2 threads: 1.7-1.8x faster at 4 and 8 tokens than the float32 path.
     if constexpr (kMayPair) {
       if (direct_pairs) {
-        const at::Tensor xb = x.to(at::kBFloat16);  // exact: the tokens were bfloat16
+        const UnpackOrder order(K, rows.column_block());
+        const at::Tensor xb = at::zeros({M, order.len}, x.options().dtype(at::kBFloat16));
         const c10::BFloat16* xs[kMaxDirect];
-        for (int64_t j = 0; j < M; ++j) xs[j] = xb.data_ptr<c10::BFloat16>() + j * K;
+        for (int64_t j = 0; j < M; ++j) {
+          order.put(xp + j * K, xb.data_ptr<c10::BFloat16>() + j * order.len);  // exact: the tokens were bfloat16
+          xs[j] = xb.data_ptr<c10::BFloat16>() + j * order.len;
+        }
         row_pairs([&] {
           return [&](const RowTask& task, const W* const* pair, const W* const* next, int nr, Acc& acc) {
-            dot_rows_pairs(pair, next, nr, xs, static_cast<int>(M), rows.scale_row(task), K, rows.column_block(), acc);
+            dot_rows_pairs(pair, next, nr, xs, static_cast<int>(M), rows.scale_row(task), 0, K, rows.column_block(),
+                           acc);
           };
         });
         return;

@@ -302,6 +302,9 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
     const scalar_t* w2p = w2.data_ptr<scalar_t>();
     const int64_t s13e = w13.stride(0), s13r = w13.stride(1), s2e = w2.stride(0), s2r = w2.stride(1);
 
+    // Rows prefetched ahead: step 1 of the gate and of the up rows it reads, step 2 of its row pairs.
+    const int64_t ahead = rows_ahead(D * sizeof(scalar_t)), down_ahead = 2 * rows_ahead(2 * I * sizeof(scalar_t));
+
     // 1. h = clamped_swiglu(W13_e x) for each expert's tokens, a block of intermediate rows per task.
     const std::vector<Task> up_tasks = expert_tasks(count, I);
     at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
@@ -326,7 +329,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
           const int64_t c1 = std::min(c0 + x_chunk, start[task.expert + 1]);
           for (int64_t r = task.row0; r < task.row0 + task.rows; ++r) {
             const scalar_t* rows[2] = {we + r * s13r, we + (I + r) * s13r};
-            const int64_t rn = std::min(r + kAhead, I - 1);
+            const int64_t rn = std::min(r + ahead, I - 1);
             const scalar_t* next[2] = {we + rn * s13r, we + (I + rn) * s13r};
             for (int64_t j0 = c0; j0 < c1; j0 += kTok) {
               const int n = static_cast<int>(std::min<int64_t>(kTok, c1 - j0));
@@ -365,7 +368,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
           for (int64_t r = task.row0; r < task.row0 + task.rows; r += 2) {
             const int nr = static_cast<int>(std::min<int64_t>(2, task.row0 + task.rows - r));
             const scalar_t* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
-            const int64_t rn = std::min(r + 2 * kAhead, D - 2);
+            const int64_t rn = std::min(r + down_ahead, D - 2);
             const scalar_t* next[2] = {we + rn * s2r, we + (rn + 1) * s2r};
             for (int64_t j0 = c0; j0 < c1; j0 += kTok) {
               const int n = static_cast<int>(std::min<int64_t>(kTok, c1 - j0));
@@ -420,27 +423,48 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   const float *s13p = w13_scale.data_ptr<float>(), *s2p = w2_scale.data_ptr<float>();
   const int64_t s13e = w13.stride(0), s13r = w13.stride(1), s2e = w2.stride(0), s2r = w2.stride(1);
 
-  // bfloat16 tokens on a CPU with bfloat16 dot products: both steps multiply bfloat16 pairs (gemv.h). Step 1's
-  // direct path (2 or more tokens) takes the token rows as they are (xb); step 2's tokens are h, which is bfloat16
-  // for bfloat16 tokens (as_h): step 1 writes it for the direct path as bfloat16 rows too (hb) and for the tile
-  // path as pairs across the lanes. 16 released-size experts, 2 threads, caches flushed: pairs in step 1 (Zen 4)
-  // 1.3-1.4x faster at 4-8 tokens each, 1.2-1.3x at 16-32; in step 2 as well (Zen 5) another 1.3x at 4 tokens
-  // each (15.8 -> 12.0 ms, the floor ~10.3), 1.55x at 8, 1.3x at 16-32; one token each stays at the floor either way.
+  // bfloat16 tokens on a CPU with bfloat16 dot products: both steps multiply bfloat16 pairs (gemv.h). The direct
+  // path reads its token rows in unpack order: step 1 the rows of x that a direct-path expert takes (xo, row
+  // xo_row[t] for token t), step 2 h's, which is bfloat16 for bfloat16 tokens (as_h): step 1 writes it for the
+  // direct path in unpack order too (hb) and for the tile path as pairs across the lanes. 16 released-size experts,
+  // 2 threads, caches flushed: pairs in step 1 (Zen 4) 1.3-1.4x faster at 4-8 tokens each, 1.2-1.3x at 16-32; in
+  // step 2 as well (Zen 5) another 1.3x at 4 tokens each (15.8 -> 12.0 ms, the floor ~10.3), 1.55x at 8, 1.3x at
+  // 16-32.
   const bool pairs = bf16_pairs(x_.scalar_type(), D);
   const bool down_pairs = pairs && bf16_pairs(x_.scalar_type(), I);
-  const at::Tensor xb = pairs ? x_.contiguous() : at::Tensor();
-  at::Tensor hb = down_pairs ? at::empty({P, I}, x_.options().dtype(at::kBFloat16)) : at::Tensor();
-  c10::BFloat16* hbp = down_pairs ? hb.data_ptr<c10::BFloat16>() : nullptr;
-  const auto put_h = [&](int64_t slot, int64_t r, float v) {
-    v = as_h(g.h_type, v);
-    hp[slot * I + r] = v;
-    if (hbp != nullptr) hbp[slot * I + r] = c10::BFloat16(v);
-  };
   // Experts up to direct_max tokens take the direct path in both steps (with bfloat16 pairs in both, further than
   // the float32 forms go: gemv.h's kPairsDirectMaxTokens), the others from kAcrossLanesMinTokens the tile path.
   const int64_t direct_max = down_pairs ? kPairsDirectMaxTokens : kE4m3DirectMaxTokens;
+  const UnpackOrder x_order(D, block_k), h_order(I, block_k);
+  std::vector<int64_t> xo_row(pairs ? g.T : 0, -1), xo_token;
+  if (pairs)
+    for (int64_t e = 0; e < E; ++e)
+      if (count[e] > 0 && count[e] <= direct_max)
+        for (int64_t c = start[e]; c < start[e + 1]; ++c)
+          if (xo_row[token_at[c]] < 0)
+            xo_row[token_at[c]] = static_cast<int64_t>(xo_token.size()), xo_token.push_back(token_at[c]);
+  const int64_t xo_rows = static_cast<int64_t>(xo_token.size());
+  const auto bf16 = x_.options().dtype(at::kBFloat16);
+  const at::Tensor xo = at::zeros({xo_rows, x_order.len}, bf16);
+  c10::BFloat16* xop = xo.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, xo_rows, 16, [&](int64_t i, int64_t end) {
+    for (; i < end; ++i) x_order.put(xp + xo_token[i] * D, xop + i * x_order.len);
+  });
+  at::Tensor hb = !down_pairs          ? at::Tensor()
+                  : h_order.padded() ? at::zeros({P, h_order.len}, bf16)  // the padding's zeros are read
+                                     : at::empty({P, h_order.len}, bf16);
+  c10::BFloat16* hbp = down_pairs ? hb.data_ptr<c10::BFloat16>() : nullptr;
+  std::vector<int64_t> h_at(down_pairs ? I : 0);
+  for (int64_t r = 0; r < static_cast<int64_t>(h_at.size()); ++r) h_at[r] = h_order.at(r);
+  const auto put_h = [&](int64_t slot, int64_t r, float v) {
+    v = as_h(g.h_type, v);
+    hp[slot * I + r] = v;
+    if (hbp != nullptr) hbp[slot * h_order.len + h_at[r]] = c10::BFloat16(v);
+  };
   AcrossLanes lanes = tile_tokens(g, I, std::max(kAcrossLanesMinTokens, direct_max + 1), pairs, down_pairs);
   const int64_t chunk = ceil_div(kColumnChunk, block_k) * block_k;  // tile columns: whole scale blocks
+  // Rows the direct paths prefetch ahead, as in moe_experts (pair_ahead: of step 1's gate and up row pairs).
+  const int64_t ahead = rows_ahead(D), pair_ahead = 2 * rows_ahead(2 * D), down_ahead = 2 * rows_ahead(2 * I);
 
   // 1. h = clamped_swiglu(W13_e x): a task's rows lie in one gate row block and the same up row block.
   const std::vector<Task> up_tasks = expert_tasks(count, I);
@@ -449,7 +473,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     std::vector<float> buf(2 * kE4m3DirectMaxTokens * D);
     std::vector<float> tile(pairs ? 0 : kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
     std::vector<c10::BFloat16> tile16(pairs ? kRowTile * block_k : 0);
-    float acc_gate[2][kPairsDirectMaxTokens], acc_up[2][kPairsDirectMaxTokens];
+    float sums[2][kPairsDirectMaxTokens];  // the direct path's
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
     for (; b < end; ++b) {
       const Task& task = up_tasks[b];
@@ -457,22 +481,18 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const E4m3* we = w13p + e * s13e;
       const float* gate_scale = s13p + (e * 2 * nbI + task.row0 / block_n) * kbD;
       const float* up_scale = gate_scale + nbI * kbD;
+      const auto gate_up = [&](int64_t r) { return we + r * s13r; };  // row r of [gate; up]
 #if GLM53_AVX512
-      if (pairs && c1 - c0 >= 2 && c1 - c0 <= direct_max) {  // one token: as linear.cpp
+      if (pairs && c1 - c0 <= direct_max) {
         const int n = static_cast<int>(c1 - c0);
         const c10::BFloat16* xs[kPairsDirectMaxTokens];
-        for (int j = 0; j < n; ++j) xs[j] = xb.data_ptr<c10::BFloat16>() + token_at[c0 + j] * D;
-        for (int64_t r = task.row0; r < last; r += 2) {
-          const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
-          const E4m3* gate[2] = {we + r * s13r, we + (r + nr - 1) * s13r};
-          const E4m3* up[2] = {we + (I + r) * s13r, we + (I + r + nr - 1) * s13r};
-          dot_rows_pairs(gate, up, nr, xs, n, gate_scale, D, block_k, acc_gate);
-          const int64_t rn = std::min(r + 2 * kAhead, I - 2);
-          const E4m3* next[2] = {we + rn * s13r, we + (rn + 1) * s13r};
-          dot_rows_pairs(up, rn >= 0 ? next : nullptr, nr, xs, n, up_scale, D, block_k, acc_up);
-          for (int i = 0; i < nr; ++i)
-            for (int j = 0; j < n; ++j)
-              put_h(c0 + j, r + i, clamped_swiglu(acc_gate[i][j], acc_up[i][j], limit));
+        for (int j = 0; j < n; ++j) xs[j] = xop + xo_row[token_at[c0 + j]] * x_order.len;
+        for (int64_t r = task.row0; r < last; ++r) {
+          const int64_t rn = std::min(r + ahead, I - 1);
+          const E4m3* rows[2] = {gate_up(r), gate_up(I + r)};
+          const E4m3* next[2] = {gate_up(rn), gate_up(I + rn)};
+          dot_rows_pairs(rows, next, 2, xs, n, gate_scale, up_scale - gate_scale, D, block_k, sums);
+          for (int j = 0; j < n; ++j) put_h(c0 + j, r, clamped_swiglu(sums[0][j], sums[1][j], limit));
         }
         continue;
       }
@@ -488,20 +508,33 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           }
           scaled_for = e * nbI + task.row0 / block_n;
         }
+        if (n == 1) {  // a gate row and its up row at a time, each against its own scaled token (see below)
+          const float* xs[1] = {xg};
+          for (int64_t r = task.row0; r < last; ++r) {
+            const int64_t rn = std::min(r + ahead, I - 1);
+            const E4m3* rows[2] = {gate_up(r), gate_up(I + r)};
+            const E4m3* next[2] = {gate_up(rn), gate_up(I + rn)};
+            dot_block<2, 1, E4m3, kPairsDirectMaxTokens, true>(rows, next, xs, D, sums, xu - xg);
+            put_h(c0, r, clamped_swiglu(sums[0][0], sums[1][0], limit));
+          }
+          continue;
+        }
+        // More tokens: a gate row pair, then its up rows, each token load serving two rows (with a token of its own
+        // per row, avx2 spilled at 2 tokens: 0.86x).
         const float* xgs[kE4m3DirectMaxTokens];
         const float* xus[kE4m3DirectMaxTokens];
         for (int j = 0; j < n; ++j) xgs[j] = xg + j * D, xus[j] = xu + j * D;
+        float gate_sums[2][kPairsDirectMaxTokens];
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
-          const E4m3* gate[2] = {we + r * s13r, we + (r + nr - 1) * s13r};
-          const E4m3* up[2] = {we + (I + r) * s13r, we + (I + r + nr - 1) * s13r};
-          dot_rows(gate, up, nr, xgs, n, D, acc_gate);  // prefetches the up rows, read next
-          const int64_t rn = std::min(r + 2 * kAhead, I - 2);
-          const E4m3* next[2] = {we + rn * s13r, we + (rn + 1) * s13r};
-          dot_rows(up, rn >= 0 ? next : nullptr, nr, xus, n, D, acc_up);
+          const E4m3* gate[2] = {gate_up(r), gate_up(r + nr - 1)};
+          const E4m3* up[2] = {gate_up(I + r), gate_up(I + r + nr - 1)};
+          dot_rows(gate, up, nr, xgs, n, D, gate_sums);  // prefetches the up rows, read next
+          const int64_t rn = std::min(r + pair_ahead, I - 2);
+          const E4m3* next[2] = {gate_up(rn), gate_up(rn + 1)};
+          dot_rows(up, rn >= 0 ? next : nullptr, nr, xus, n, D, sums);
           for (int i = 0; i < nr; ++i)
-            for (int j = 0; j < n; ++j)
-              put_h(c0 + j, r + i, clamped_swiglu(acc_gate[i][j], acc_up[i][j], limit));
+            for (int j = 0; j < n; ++j) put_h(c0 + j, r + i, clamped_swiglu(gate_sums[i][j], sums[i][j], limit));
         }
         continue;
       }
@@ -567,16 +600,16 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const float* scale = s2p + (e * nbD + task.row0 / block_n) * kbI;
       const auto bytes = [&](int64_t r) { return reinterpret_cast<const char*>(we + r * s2r); };
 #if GLM53_AVX512
-      if (down_pairs && c1 - c0 >= 2 && c1 - c0 <= direct_max) {  // one token: the float32 form below
+      if (down_pairs && c1 - c0 <= direct_max) {
         const int n = static_cast<int>(c1 - c0);
         const c10::BFloat16* hs16[kPairsDirectMaxTokens];
-        for (int j = 0; j < n; ++j) hs16[j] = hbp + (c0 + j) * I;
+        for (int j = 0; j < n; ++j) hs16[j] = hbp + (c0 + j) * h_order.len;
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
           const E4m3* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
-          const int64_t rn = std::min(r + 2 * kAhead, D - 2);
+          const int64_t rn = std::min(r + down_ahead, D - 2);
           const E4m3* next[2] = {we + rn * s2r, we + (rn + 1) * s2r};
-          dot_rows_pairs(rows, rn >= 0 ? next : nullptr, nr, hs16, n, scale, I, block_k, acc_direct);
+          dot_rows_pairs(rows, rn >= 0 ? next : nullptr, nr, hs16, n, scale, 0, I, block_k, acc_direct);
           for (int j = 0; j < n; ++j)
             for (int i = 0; i < nr; ++i) yp[(c0 + j) * D + r + i] = acc_direct[i][j];
         }
@@ -600,7 +633,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
           const E4m3* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
-          const int64_t rn = std::min(r + 2 * kAhead, D - 2);
+          const int64_t rn = std::min(r + down_ahead, D - 2);
           const E4m3* next[2] = {we + rn * s2r, we + (rn + 1) * s2r};
           dot_rows(rows, rn >= 0 ? next : nullptr, nr, hs, n, I, acc_direct);
           for (int j = 0; j < n; ++j)

@@ -32,7 +32,7 @@ inline void lanes_of(const V& v, T (&lanes)[N]) {
 }
 
 template <typename V, typename T, int N>
-inline V masked_load(uint32_t mask, const void* p) {
+inline V masked_load(uint64_t mask, const void* p) {
   T lanes[N] = {};
   for (int i = 0; i < N; ++i)
     if (mask >> i & 1u) std::memcpy(&lanes[i], static_cast<const char*>(p) + i * sizeof(T), sizeof(T));
@@ -56,6 +56,9 @@ inline simde__m512i maskz_loadu_epi16_512(simde__mmask32 k, const void* p) {
   return masked_load<simde__m512i, uint16_t, 32>(k, p);
 }
 inline __m256i maskz_loadu_epi8_256(simde__mmask32 k, const void* p) { return masked_load<__m256i, uint8_t, 32>(k, p); }
+inline simde__m512i maskz_loadu_epi8_512(simde__mmask64 k, const void* p) {
+  return masked_load<simde__m512i, uint8_t, 64>(k, p);
+}
 inline void mask_storeu_epi16_512(void* p, simde__mmask32 k, simde__m512i a) { masked_store<uint16_t, 32>(p, k, a); }
 
 inline __m256 extractf32x8_ps(simde__m512 a, int half) {
@@ -131,6 +134,7 @@ inline simde__m512 dpbf16_ps(simde__m512 acc, simde__m512i a, simde__m512i b) {
 #define _mm_maskz_loadu_epi8(k, p) glm53_emulation::maskz_loadu_epi8(k, p)
 #define _mm512_maskz_loadu_epi16(k, p) glm53_emulation::maskz_loadu_epi16_512(k, p)
 #define _mm256_maskz_loadu_epi8(k, p) glm53_emulation::maskz_loadu_epi8_256(k, p)
+#define _mm512_maskz_loadu_epi8(k, p) glm53_emulation::maskz_loadu_epi8_512(k, p)
 #define _mm512_mask_storeu_epi16(p, k, a) glm53_emulation::mask_storeu_epi16_512(p, k, a)
 #define _mm512_extractf32x8_ps(a, half) glm53_emulation::extractf32x8_ps(a, half)
 #define _mm512_cvtepu16_epi32(a) glm53_emulation::cvtepu16_epi32(a)
