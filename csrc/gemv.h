@@ -221,7 +221,7 @@ inline void rows_by_tokens_n(int nr, const float* rows, int64_t ld, const float*
 
 // Token rows as the direct path on bfloat16 pairs reads them (dot_block_pairs, below): bfloat16, each column block
 // of bk columns padded with zeros to a multiple of 64 (``block`` values), and within each 64 columns the order in
-// which vec.h's load_pairs_unpacked yields a weight's values: columns 0-7, 16-23, 32-39, 48-55, then 8-15, 24-31,
+// which vec.h's unpacked_half yields a weight's values: columns 0-7, 16-23, 32-39, 48-55, then 8-15, 24-31,
 // 40-47, 56-63. A row is ``len`` values; the padding's weights read as zero.
 struct UnpackOrder {
   int64_t K, bk, block, len;
@@ -277,7 +277,7 @@ GLM53_BF16_DOT inline void e4m3_to_bf16(const E4m3* w, int64_t n, c10::BFloat16*
 // The direct path on bfloat16 pairs: acc[r][j] = sum over the column blocks b of (block_scales[r * scale_step + b] *
 // 2^8) * (sum over b's columns of rows[r] (E4M3 as bfloat16 values * 2^-8) * xs[j]) for R rows and N bfloat16
 // token rows in unpack order (UnpackOrder, with bk): no scaled copy of the tokens, each weight converted once for
-// all N tokens (load_pairs_unpacked) and multiplied in pairs. Each block's sums are kept apart (t) and added to the
+// all N tokens (unpacked_half) and multiplied in pairs. Each block's sums are kept apart (t) and added to the
 // total scaled (s); below 4 sums the low and the high halves of the 64-column groups have sums of their own (one
 // chain of dot products per sum bound the loop, as in dot_block). ``ahead`` as in dot_block.
 template <int R, int N, int C>
@@ -286,14 +286,18 @@ template <int R, int N, int C>
                                                                int m, __m512 (&t)[C][R][N]) {
   if (ahead != nullptr)
     for (int r = 0; r < R; ++r) __builtin_prefetch(ahead[r] + i);
-  __m512i lo[R], hi[R];
-  for (int r = 0; r < R; ++r) load_pairs_unpacked(rows[r] + i, m, lo[r], hi[r]);
+  __m512i b[R];
+  for (int r = 0; r < R; ++r) b[r] = load_e4m3_64(rows[r] + i, m);
+  __m512i w[R];
+  for (int r = 0; r < R; ++r) w[r] = unpacked_half<false>(b[r]);
   for (int j = 0; j < N; ++j) {
-    const __m512i xl = _mm512_loadu_si512(xs[j] + o), xh = _mm512_loadu_si512(xs[j] + o + 32);
-    for (int r = 0; r < R; ++r) {
-      t[0][r][j] = dot_pairs(t[0][r][j], lo[r], xl);
-      t[C - 1][r][j] = dot_pairs(t[C - 1][r][j], hi[r], xh);
-    }
+    const __m512i xv = _mm512_loadu_si512(xs[j] + o);
+    for (int r = 0; r < R; ++r) t[0][r][j] = dot_pairs(t[0][r][j], w[r], xv);
+  }
+  for (int r = 0; r < R; ++r) w[r] = unpacked_half<true>(b[r]);
+  for (int j = 0; j < N; ++j) {
+    const __m512i xv = _mm512_loadu_si512(xs[j] + o + 32);
+    for (int r = 0; r < R; ++r) t[C - 1][r][j] = dot_pairs(t[C - 1][r][j], w[r], xv);
   }
 }
 

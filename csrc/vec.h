@@ -226,7 +226,8 @@ GLM53_BF16_DOT inline __m512i load_pairs(const E4m3* p, int n) {
   return _mm512_ternarylogic_epi32(bits, d, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);  // bits | (d & sign)
 }
 
-// 64 E4M3 bytes (the first n; the rest zero) as the bfloat16 values of value * 2^-8, for dot_pairs against tokens
+// 64 E4M3 bytes (the first n; the rest zero: load_e4m3_64) as the bfloat16 values of value * 2^-8 (unpacked_half),
+// for dot_pairs against tokens
 // in "unpack order" (gemv.h's UnpackOrder): lo holds bytes 0-7, 16-23, 32-39 and 48-55, hi bytes 8-15, 24-31, 40-47
 // and 56-63, the low and the high half of each 128-bit lane. Each byte is copied into both halves of a 16-bit lane
 // (vpunpck[lh]bw, within 128-bit lanes), and an arithmetic shift right by 4 puts its exponent and mantissa where
@@ -236,24 +237,24 @@ GLM53_BF16_DOT inline __m512i load_pairs(const E4m3* p, int n) {
 // are looked up by their mantissa behind a branch. 7 instructions per 64 values against the lookups' 10 (above),
 // 3 of them shuffles against 6: one row pair against one token from L2 on Zen 5, 62-68 GB/s against 51 with the
 // lookups and 33 for the float32 path (benchmarks/README.md).
-GLM53_BF16_DOT inline void load_pairs_unpacked(const E4m3* p, int n, __m512i& lo, __m512i& hi) {
-  const __m512i b = n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64(1) << n) - 1, p);
-  const __m512i l = _mm512_unpacklo_epi8(b, b), h = _mm512_unpackhi_epi8(b, b);
-  const __m512i keep = _mm512_set1_epi16(static_cast<short>(0x87F0)), bias = _mm512_set1_epi16(0x3800);
-  lo = _mm512_ternarylogic_epi32(_mm512_srai_epi16(l, 4), keep, bias, 0xEA);  // (l >> 4) & keep | bias
-  hi = _mm512_ternarylogic_epi32(_mm512_srai_epi16(h, 4), keep, bias, 0xEA);
-  if (__builtin_expect(_mm512_test_epi8_mask(b, _mm512_set1_epi8(0x78)) != ~__mmask64(0), 0)) {
-    // exponent field 0: the value is mantissa * 2^-17, the low five bits of the lane (the byte's) index it
-    alignas(64) static constexpr uint16_t kExponent0[32] = {e4m3_bf16_bits(0), e4m3_bf16_bits(1), e4m3_bf16_bits(2),
-                                                            e4m3_bf16_bits(3), e4m3_bf16_bits(4), e4m3_bf16_bits(5),
-                                                            e4m3_bf16_bits(6), e4m3_bf16_bits(7)};
-    const __m512i table = _mm512_load_si512(kExponent0), exponent = _mm512_set1_epi16(0x7800);
-    const __m512i sign = _mm512_set1_epi16(static_cast<short>(0x8000));
-    lo = _mm512_mask_mov_epi16(lo, ~_mm512_test_epi16_mask(l, exponent),
-                               _mm512_ternarylogic_epi32(_mm512_permutexvar_epi16(l, table), l, sign, 0xF8));
-    hi = _mm512_mask_mov_epi16(hi, ~_mm512_test_epi16_mask(h, exponent),
-                               _mm512_ternarylogic_epi32(_mm512_permutexvar_epi16(h, table), h, sign, 0xF8));
-  }
+GLM53_BF16_DOT inline __m512i load_e4m3_64(const E4m3* p, int n) {
+  return n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64(1) << n) - 1, p);
+}
+// The low (lo) or the high (hi) half of 64 bytes from load_e4m3_64, as described above.
+template <bool kHigh>
+GLM53_BF16_DOT inline __m512i unpacked_half(__m512i b) {
+  const __m512i l = kHigh ? _mm512_unpackhi_epi8(b, b) : _mm512_unpacklo_epi8(b, b);
+  const __m512i v = _mm512_ternarylogic_epi32(_mm512_srai_epi16(l, 4), _mm512_set1_epi16(static_cast<short>(0x87F0)),
+                                              _mm512_set1_epi16(0x3800), 0xEA);  // (l >> 4) & 0x87F0 | 0x3800
+  const __mmask32 normal = _mm512_test_epi16_mask(l, _mm512_set1_epi16(0x7800));
+  if (__builtin_expect(normal == ~__mmask32(0), 1)) return v;
+  // exponent field 0: the value is mantissa * 2^-17, the low five bits of the lane (the byte's) index it
+  alignas(64) static constexpr uint16_t kExponent0[32] = {e4m3_bf16_bits(0), e4m3_bf16_bits(1), e4m3_bf16_bits(2),
+                                                          e4m3_bf16_bits(3), e4m3_bf16_bits(4), e4m3_bf16_bits(5),
+                                                          e4m3_bf16_bits(6), e4m3_bf16_bits(7)};
+  const __m512i fixed = _mm512_ternarylogic_epi32(_mm512_permutexvar_epi16(l, _mm512_load_si512(kExponent0)), l,
+                                                  _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);
+  return _mm512_mask_mov_epi16(v, ~normal, fixed);
 }
 
 #elif GLM53_AVX2
