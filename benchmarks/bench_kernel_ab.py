@@ -8,8 +8,10 @@ The revision's ``csrc/`` is compiled with the flags this tree's build uses for t
 (``VLLM_GLM53_CPU_ISA`` picks another) and registered as ``torch.ops.vllm_glm53_base``. Ops, at the released model's
 sizes with block-FP8 weights (random values quantized by block) and bfloat16 tokens: ``fp8_linear`` 12288 x 4096
 (a fused gate|up of the dense layers, 50 MB of E4M3) at M tokens, and ``moe_experts_fp8`` for 4 experts (D 4096,
-I 2048: 100 MB) with M tokens each.
-Medians of ``--repeat`` calls per build; the last column compares the two builds' outputs (relative max
+I 2048: 100 MB) with M tokens each. A third side, timed in the same turns, runs what the dequantize-at-load model
+runs on the same weights in bfloat16 (twice the bytes): ``moe_experts``, and ``linear16`` or torch's ``F.linear``
+as the model picks (``runs_on_linear16``).
+Medians of ``--repeat`` calls per side; the last column compares the two builds' outputs (relative max
 difference: zero where the arithmetic is the same).
 """
 
@@ -31,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vllm_glm53.backends.cpu import build, kernels  # noqa: E402
+from vllm_glm53.backends.cpu.linear import runs_on_linear16  # noqa: E402
 from vllm_glm53.quant.fp8_block import quantize_block_fp8  # noqa: E402
 
 NAMESPACE = "vllm_glm53_base"
@@ -56,19 +59,16 @@ def build_base(rev: str, isa: str, out_dir: Path) -> object:
     return getattr(torch.ops, NAMESPACE)
 
 
-def compare(libs: dict, call, repeat: int) -> tuple[float, float, float]:
-    """Median seconds of each build's calls (alternating which goes first, caches flushed before each) and the
-    relative max difference of their outputs."""
-    times = {name: [] for name in libs}
+def compare(calls: dict, repeat: int) -> dict:
+    """Median seconds of each side's calls (alternating the order, caches flushed before each)."""
+    times = {name: [] for name in calls}
     for i in range(repeat):
-        for name in (list(libs) if i % 2 == 0 else list(reversed(libs))):
+        for name in (list(calls) if i % 2 == 0 else list(reversed(calls))):
             _FLUSH.mul_(1.0)
             t0 = time.perf_counter()
-            call(libs[name])
+            calls[name]()
             times[name].append(time.perf_counter() - t0)
-    base, tree = (call(lib).float() for lib in libs.values())
-    diff = ((base - tree).abs().max() / base.abs().max()).item()
-    return statistics.median(times["base"]), statistics.median(times["tree"]), diff
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -96,25 +96,38 @@ def main() -> None:
         pairs = [quantize_block_fp8(torch.randn(n, k, generator=gen) / k**0.5, (block, block)) for _ in range(experts)]
         return torch.stack([w for w, _ in pairs]), torch.stack([s for _, s in pairs])
 
+    def dequantized(w, s):
+        grid = s.repeat_interleave(block, -2).repeat_interleave(block, -1)[..., : w.shape[-2], : w.shape[-1]]
+        return (w.float() * grid).bfloat16()
+
     (w,), (s,) = quantized(1, N, D)
     w13, s13 = quantized(E, 2 * I, D)
     w2, s2 = quantized(E, D, I)
+    w_bf16, w13_bf16, w2_bf16 = dequantized(w, s), dequantized(w13, s13), dequantized(w2, s2)
+    linear_bf16 = tree.linear16 if runs_on_linear16(torch.bfloat16) else torch.nn.functional.linear
     short = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], capture_output=True,
                            text=True).stdout.strip()
     print(f"# {kernels.description()}; base {args.base} ({short}) against this tree; {torch.get_num_threads()} "
           f"threads, caches flushed, medians of {args.repeat}\n")
-    print("| op | tokens | base (ms) | this tree (ms) | base / this tree | outputs: max rel. difference |")
-    print("|---|---|---|---|---|---|")
+    print("| op | tokens | base (ms) | this tree (ms) | base / this tree | outputs: max rel. difference | bfloat16 "
+          "weights (ms) | bfloat16 / this tree |")
+    print("|---|---|---|---|---|---|---|---|")
     for M in args.tokens:
         x = torch.randn(M, D, generator=gen).bfloat16()
-        ops = [(f"fp8_linear {N} x {D}", lambda lib: lib.fp8_linear(x, w, s, [N], block, block))]
         ids = torch.arange(E, dtype=torch.int32).repeat(M, 1)  # every token to all E experts: M tokens each
         weights = torch.rand(M, E, generator=gen)
-        ops.append((f"moe_experts_fp8, {E} experts", lambda lib: lib.moe_experts_fp8(
-            x, w13, s13, w2, s2, ids, weights, 10.0, block, block)))
-        for name, call in ops:
-            base, this, diff = compare(libs, call, args.repeat)
-            print(f"| {name} | {M} | {base * 1e3:.3f} | {this * 1e3:.3f} | {base / this:.2f}x | {diff:.1e} |")
+        ops = [(f"fp8_linear {N} x {D}", lambda lib: lib.fp8_linear(x, w, s, [N], block, block),
+                lambda: linear_bf16(x, w_bf16)),
+               (f"moe_experts_fp8, {E} experts",
+                lambda lib: lib.moe_experts_fp8(x, w13, s13, w2, s2, ids, weights, 10.0, block, block),
+                lambda: tree.moe_experts(x, w13_bf16, w2_bf16, ids, weights, 10.0))]
+        for name, call, call_bf16 in ops:
+            t = compare({"base": lambda: call(libs["base"]), "tree": lambda: call(libs["tree"]), "bf16": call_bf16},
+                        args.repeat)
+            base, this = (call(libs[side]).float() for side in ("base", "tree"))
+            diff = ((base - this).abs().max() / base.abs().max()).item()
+            print(f"| {name} | {M} | {t['base'] * 1e3:.3f} | {t['tree'] * 1e3:.3f} | {t['base'] / t['tree']:.2f}x | "
+                  f"{diff:.1e} | {t['bf16'] * 1e3:.3f} | {t['bf16'] / t['tree']:.2f}x |")
 
 
 if __name__ == "__main__":

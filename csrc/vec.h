@@ -226,21 +226,21 @@ GLM53_BF16_DOT inline __m512i load_pairs(const E4m3* p, int n) {
   return _mm512_ternarylogic_epi32(bits, d, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);  // bits | (d & sign)
 }
 
-// 64 E4M3 bytes (the first n; the rest zero: load_e4m3_64) as the bfloat16 values of value * 2^-8 (unpacked_half),
-// for dot_pairs against tokens
-// in "unpack order" (gemv.h's UnpackOrder): lo holds bytes 0-7, 16-23, 32-39 and 48-55, hi bytes 8-15, 24-31, 40-47
-// and 56-63, the low and the high half of each 128-bit lane. Each byte is copied into both halves of a 16-bit lane
-// (vpunpck[lh]bw, within 128-bit lanes), and an arithmetic shift right by 4 puts its exponent and mantissa where
-// bfloat16 has them with copies of the sign above; one vpternlogd keeps the top sign bit and ORs in 112 (the
-// exponent bias difference 127 - 7 - 8, bits above the four E4M3 exponent bits): exact for every byte with a
-// non-zero exponent field. Zero and the subnormals (exponent field 0: ~1e-4 of a block-scaled weight's values)
-// are looked up by their mantissa behind a branch. 7 instructions per 64 values against the lookups' 10 (above),
-// 3 of them shuffles against 6: one row pair against one token from L2 on Zen 5, 62-68 GB/s against 51 with the
-// lookups and 33 for the float32 path (benchmarks/README.md).
+// 64 E4M3 bytes (load_e4m3_64: the first n, the rest zero) as the bfloat16 values of value * 2^-8 in two registers
+// (unpacked_half), for dot_pairs against tokens in "unpack order" (gemv.h's UnpackOrder): the low half holds bytes
+// 0-7, 16-23, 32-39 and 48-55, the high half bytes 8-15, 24-31, 40-47 and 56-63 (the low and the high 8 bytes of
+// each 128-bit lane). Each byte is copied into both halves of a 16-bit lane (vpunpck[lh]bw, within 128-bit
+// lanes), and an arithmetic shift right by 4 puts its exponent and mantissa where bfloat16 has them with copies of
+// the sign above; one vpternlogd keeps the top sign bit and ORs in 112 (the exponent bias difference 127 - 7 - 8,
+// in bits above the four E4M3 exponent bits): exact for every byte with a non-zero exponent field. Zero and the
+// subnormals (exponent field 0: ~1e-4 of a block-scaled weight's values, and a short group's padding) are looked
+// up by their mantissa behind a branch. 4 instructions per 32 values (one a shuffle) against the lookups' 5 (three
+// shuffles, sharing a port with vdpbf16ps): a row pair against one token from L2 on one Zen 5 core, 63-69 GB/s
+// against 48-51 with the lookups and 33 on the float32 path (benchmarks/README.md).
 GLM53_BF16_DOT inline __m512i load_e4m3_64(const E4m3* p, int n) {
   return n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64(1) << n) - 1, p);
 }
-// The low (lo) or the high (hi) half of 64 bytes from load_e4m3_64, as described above.
+// The low or (kHigh) the high half of 64 bytes from load_e4m3_64, as described above.
 template <bool kHigh>
 GLM53_BF16_DOT inline __m512i unpacked_half(__m512i b) {
   const __m512i l = kHigh ? _mm512_unpackhi_epi8(b, b) : _mm512_unpacklo_epi8(b, b);
