@@ -228,15 +228,17 @@ struct UnpackOrder {
   UnpackOrder(int64_t K_, int64_t bk_)
       : K(K_), bk(bk_), block(ceil_div(bk_, 64) * 64), len(ceil_div(K_, bk_) * block) {}
   bool padded() const { return len != K; }
-  // where column k (< K) lies
-  int64_t at(int64_t k) const {
-    const int64_t q = k % bk, c = q % 64;
-    return k / bk * block + q / 64 * 64 + (c & 8) * 4 + (c >> 4) * 8 + (c & 7);
+  // fn(k, where column k lies) for every column k < K, in order (no division by bk: callers run it per call)
+  template <typename Fn>
+  void each(const Fn& fn) const {
+    for (int64_t b0 = 0, o = 0; b0 < K; b0 += bk, o += block)
+      for (int64_t q = 0, n = std::min(bk, K - b0); q < n; ++q)
+        fn(b0 + q, o + (q & ~int64_t{63}) + (q & 8) * 4 + (q >> 4 & 3) * 8 + (q & 7));
   }
   // row x (K values) into out (len values; the padding, if any, already zero)
   template <typename T>
   void put(const T* x, c10::BFloat16* out) const {
-    for (int64_t k = 0; k < K; ++k) out[at(k)] = c10::BFloat16(static_cast<float>(x[k]));
+    each([&](int64_t k, int64_t at) { out[at] = c10::BFloat16(static_cast<float>(x[k])); });
   }
 };
 

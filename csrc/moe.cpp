@@ -455,7 +455,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
                                      : at::empty({P, h_order.len}, bf16);
   c10::BFloat16* hbp = down_pairs ? hb.data_ptr<c10::BFloat16>() : nullptr;
   std::vector<int64_t> h_at(down_pairs ? I : 0);
-  for (int64_t r = 0; r < static_cast<int64_t>(h_at.size()); ++r) h_at[r] = h_order.at(r);
+  if (down_pairs) h_order.each([&](int64_t r, int64_t at) { h_at[r] = at; });
   const auto put_h = [&](int64_t slot, int64_t r, float v) {
     v = as_h(g.h_type, v);
     hp[slot * I + r] = v;
