@@ -140,7 +140,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
       const auto row_tiles = [&]<typename Tile, typename Tokens>(const Tokens* xt, int64_t chunk, const auto& widen,
                                                                  const auto& block_scales) {
         at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
-          std::vector<Tile> tile(kRowTile * chunk);
+          std::vector<Tile> tile(kRowTile * tile_stride<Tile>(chunk));
           std::vector<float> acc(groups * kRowTile * kLanes);
           for (; b < end; ++b) {
             const RowTask& task = tasks[b];
@@ -165,16 +165,18 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
       };
 #if GLM53_AVX512
       // Block-FP8 rows and bfloat16 tokens on a CPU with bfloat16 dot products: the rows' E4M3 values as bfloat16
-      // against token pairs, one column block per chunk (gemv.h), twice the products per instruction.
+      // against token pairs, one column block per chunk, both in unpack order (gemv.h), twice the products per
+      // instruction.
       if constexpr (std::is_same_v<W, E4m3> && std::is_same_v<scalar_t, c10::BFloat16>) {
         if (bf16_pairs(at::kBFloat16, K)) {
-          const at::Tensor xp_buf = at::empty({groups * K / 2 * kLanes}, x.options().dtype(at::kInt));
+          const UnpackOrder order(K, rows.column_block());
+          const at::Tensor xp_buf = at::empty({groups * order.len / 2 * kLanes}, x.options().dtype(at::kInt));
           uint32_t* xp2 = reinterpret_cast<uint32_t*>(xp_buf.data_ptr<int32_t>());
-          token_pairs_across_lanes([&](int64_t j) { return xp + j * K; }, M, K, xp2);
+          token_pairs_across_lanes([&](int64_t j) { return xp + j * K; }, M, order, xp2);
           row_tiles.template operator()<c10::BFloat16>(
               static_cast<const uint32_t*>(xp2), rows.column_block(),
               [&](const RowTask&, int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) {
-                e4m3_to_bf16(rows.row(r) + k0, n, out);
+                e4m3_unpacked(rows.row(r) + k0, n, out);
               },
               [&](const RowTask& task) { return rows.scale_row(task); });
           return;

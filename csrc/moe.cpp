@@ -131,39 +131,43 @@ at::Tensor combine_pairs(const Routing& g, const at::Tensor& y) {
 }
 
 // The experts that take the tile path (at least kAcrossLanesMinTokens tokens) and their tokens across the lanes
-// (gemv.h): x for step 1 and h, which step 1 writes for step 2, each as float32 or as bfloat16 pairs (``pairs``,
-// ``h_pairs``: for bfloat16 row tiles). Expert e's token groups are [group0[e], group0[e + 1]).
-// Both buffers are left uninitialized: the layout functions write every value of xt (zeros past the last token)
-// and step 1 every value of ht (a prefill's buffers are hundreds of MB, zeroing them first was a second pass).
+// (gemv.h): x for step 1 and h, which step 1 writes for step 2, each as float32 or as bfloat16 pairs in unpack order
+// (``x_pairs``, ``h_pairs``: the orders, for bfloat16 row tiles). Expert e's token groups are [group0[e],
+// group0[e + 1]); a token row of a group holds D or I values, or its order's len. Both buffers are left
+// uninitialized but for h pairs with padding: the layout functions write every value of xt (zeros past the last
+// token and in the padding) and step 1 every value of ht but the padding's (a prefill's buffers are hundreds of MB,
+// zeroing them first was a second pass).
 struct AcrossLanes {
   std::vector<int64_t> group0;
   at::Tensor xt, ht;
   const float* x_of(int64_t e, int64_t D) const { return xt.data_ptr<float>() + group0[e] * D * kLanes; }
-  uint32_t* pairs_of(int64_t e, int64_t D) const { return pairs(xt) + group0[e] * D / 2 * kLanes; }
+  uint32_t* pairs_of(int64_t e, int64_t len) const { return pairs(xt) + group0[e] * len / 2 * kLanes; }
   float* h_of(int64_t e, int64_t I) { return ht.data_ptr<float>() + group0[e] * I * kLanes; }
-  uint32_t* h_pairs_of(int64_t e, int64_t I) const { return pairs(ht) + group0[e] * I / 2 * kLanes; }
+  uint32_t* h_pairs_of(int64_t e, int64_t len) const { return pairs(ht) + group0[e] * len / 2 * kLanes; }
   int64_t groups(int64_t e) const { return group0[e + 1] - group0[e]; }
   static uint32_t* pairs(const at::Tensor& t) { return reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>()); }
 };
 
-AcrossLanes tile_tokens(const Routing& g, int64_t I, int64_t min_tokens = kAcrossLanesMinTokens, bool pairs = false,
-                        bool h_pairs = false) {
+AcrossLanes tile_tokens(const Routing& g, int64_t I, int64_t min_tokens = kAcrossLanesMinTokens,
+                        const UnpackOrder* x_pairs = nullptr, const UnpackOrder* h_pairs = nullptr) {
   AcrossLanes a;
   a.group0.assign(g.E + 1, 0);
   for (int64_t e = 0; e < g.E; ++e)
     a.group0[e + 1] = a.group0[e] + (g.count[e] >= min_tokens ? ceil_div(g.count[e], kLanes) : 0);
-  a.xt = pairs ? at::empty({a.group0[g.E] * g.D / 2 * kLanes}, g.x.options().dtype(at::kInt))
-               : at::empty({a.group0[g.E] * g.D * kLanes}, g.x.options());
-  a.ht = h_pairs ? at::empty({a.group0[g.E] * I / 2 * kLanes}, g.x.options().dtype(at::kInt))
-                 : at::empty({a.group0[g.E] * I * kLanes}, g.x.options());
+  const int64_t groups = a.group0[g.E];
+  a.xt = x_pairs != nullptr ? at::empty({groups * x_pairs->len / 2 * kLanes}, g.x.options().dtype(at::kInt))
+                            : at::empty({groups * g.D * kLanes}, g.x.options());
+  a.ht = h_pairs == nullptr   ? at::empty({groups * I * kLanes}, g.x.options())
+         : h_pairs->padded() ? at::zeros({groups * h_pairs->len / 2 * kLanes}, g.x.options().dtype(at::kInt))
+                             : at::empty({groups * h_pairs->len / 2 * kLanes}, g.x.options().dtype(at::kInt));
   const float* xp = g.x.data_ptr<float>();
   at::parallel_for(0, g.E, 1, [&](int64_t e, int64_t end) {
     for (; e < end; ++e) {
       if (a.groups(e) == 0) continue;
       const auto row = [&](int64_t j) { return xp + g.token_at[g.start[e] + j] * g.D; };
 #if GLM53_AVX512
-      if (pairs) {
-        token_pairs_across_lanes(row, g.count[e], g.D, a.pairs_of(e, g.D));
+      if (x_pairs != nullptr) {
+        token_pairs_across_lanes(row, g.count[e], *x_pairs, a.pairs_of(e, x_pairs->len));
         continue;
       }
 #endif
@@ -178,7 +182,7 @@ AcrossLanes tile_tokens(const Routing& g, int64_t I, int64_t min_tokens = kAcros
 // groups xe, kTilePassGroups per pass; put(group, r, h) stores row r of h for the kLanes tokens of a group (the
 // lanes past the last token get clamped_swiglu(0, 0) = 0). Float32 tiles hold kRowTile / 2 gate rows and the same
 // up rows; bfloat16 tiles (token pairs, gemv.h) hold kRowTile gate rows, then kRowTile up rows, since each tile
-// takes one row block's scales (scales(up): the gate's or the up block row's). tile: kRowTile x chunk values, acc:
+// takes one row block's scales (scales(up): the gate's or the up block row's). tile: kRowTile x tile_stride values, acc:
 // kTilePassGroups x kRowTile x kLanes floats (twice that for bfloat16 tiles).
 template <typename Tile, typename Tokens, typename Row, typename Widen, typename Scales, typename Put>
 void swiglu_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const Widen& widen, const Scales& scales,
@@ -190,7 +194,7 @@ void swiglu_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const
   float* acc_up = separate ? acc + kTilePassGroups * kRowTile * kLanes : acc;
   for (int64_t p0 = 0; p0 < groups; p0 += kTilePassGroups) {
     const int64_t pg = std::min(kTilePassGroups, groups - p0);
-    const Tokens* xp = xe + p0 * D / cols * kLanes;
+    const Tokens* xp = xe + p0 * tile_token_len<Tile>(D, chunk) / cols * kLanes;
     for (int64_t r0 = row0; r0 < last; r0 += gate_rows) {
       const int nh = static_cast<int>(std::min<int64_t>(gate_rows, last - r0));
       const int nn = static_cast<int>(std::clamp<int64_t>(last - r0 - gate_rows, 0, gate_rows));
@@ -236,11 +240,12 @@ inline auto h_lanes(float* he, int64_t I, at::ScalarType type) {
   };
 }
 
-// The same for bfloat16 tiles in step 2: h as bfloat16 pairs across the lanes (token_pairs_across_lanes' layout),
-// column r the low (even r) or high half of pair r / 2. A task's rows start even, so it writes both halves.
-inline auto h_pairs(uint32_t* he, int64_t I) {
+// The same for bfloat16 tiles in step 2: h as bfloat16 pairs across the lanes (token_pairs_across_lanes' layout, a
+// token row ``len`` values in unpack order), column r at position at[r] (even for even r), the low (even r) or high
+// half of pair at[r] / 2. A task's rows start even, so it writes both halves.
+inline auto h_pairs(uint32_t* he, int64_t len, const int64_t* at) {
   return [=](int64_t group, int64_t r, const float* h) {
-    char* dst = reinterpret_cast<char*>(he + (group * I / 2 + r / 2) * kLanes) + (r % 2) * 2;
+    char* dst = reinterpret_cast<char*>(he + (group * len / 2 + at[r] / 2) * kLanes) + (r % 2) * 2;
     for (int l = 0; l < kLanes; ++l) {
       const uint16_t bits = c10::BFloat16(h[l]).x;
       std::memcpy(dst + 4 * l, &bits, sizeof(bits));
@@ -256,7 +261,7 @@ void down_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const W
                const float* block_scales, const Tokens* he, int64_t tokens, int64_t I, int64_t D, int64_t chunk,
                float* ye, Tile* tile, float* acc) {
   constexpr int64_t cols = std::is_same_v<Tile, float> ? 1 : 2;  // h columns per 32-bit lane of he
-  const int64_t groups = ceil_div(tokens, kLanes);
+  const int64_t groups = ceil_div(tokens, kLanes), len = tile_token_len<Tile>(I, chunk) / cols;
   for (int64_t p0 = 0; p0 < groups; p0 += kTilePassGroups) {
     const int64_t pg = std::min(kTilePassGroups, groups - p0);
     for (int64_t r0 = row0; r0 < last; r0 += kRowTile) {
@@ -268,7 +273,7 @@ void down_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const W
       for (int i = 0; i < nn; ++i) next[i] = row(r0 + kRowTile + i);
       row_tile_by_tokens(
           nr, [&](int i, int64_t k0, int64_t n, Tile* out) { widen(r0 + i, k0, n, out); }, here, next, nn, elem,
-          he + p0 * I / cols * kLanes, block_scales, pg, I, chunk, tile, acc);
+          he + p0 * len * kLanes, block_scales, pg, I, chunk, tile, acc);
       for (int64_t q = 0; q < pg; ++q) {
         const int64_t j0 = (p0 + q) * kLanes, n = std::min<int64_t>(kLanes, tokens - j0);
         for (int64_t l = 0; l < n; ++l)
@@ -461,7 +466,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     hp[slot * I + r] = v;
     if (hbp != nullptr) hbp[slot * h_order.len + h_at[r]] = c10::BFloat16(v);
   };
-  AcrossLanes lanes = tile_tokens(g, I, std::max(kAcrossLanesMinTokens, direct_max + 1), pairs, down_pairs);
+  AcrossLanes lanes = tile_tokens(g, I, std::max(kAcrossLanesMinTokens, direct_max + 1), pairs ? &x_order : nullptr,
+                                  down_pairs ? &h_order : nullptr);
   const int64_t chunk = ceil_div(kColumnChunk, block_k) * block_k;  // tile columns: whole scale blocks
   // Rows the direct paths prefetch ahead, as in moe_experts (pair_ahead: of step 1's gate and up row pairs).
   const int64_t ahead = rows_ahead(D), pair_ahead = 2 * rows_ahead(2 * D), down_ahead = 2 * rows_ahead(2 * I);
@@ -472,7 +478,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row
     std::vector<float> buf(2 * kE4m3DirectMaxTokens * D);
     std::vector<float> tile(pairs ? 0 : kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
-    std::vector<c10::BFloat16> tile16(pairs ? kRowTile * block_k : 0);
+    std::vector<c10::BFloat16> tile16(pairs ? kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
     float sums[2][kPairsDirectMaxTokens];  // the direct path's
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
     for (; b < end; ++b) {
@@ -564,12 +570,12 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           swiglu_tile(
               task.row0, last, bytes, 1,
               [&](bool up, int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) {
-                e4m3_to_bf16(row(up, r) + k0, n, out);
+                e4m3_unpacked(row(up, r) + k0, n, out);
               },
-              [&](bool up) { return up ? up_scale : gate_scale; }, lanes.pairs_of(e, D), lanes.groups(e), D, block_k,
+              [&](bool up) { return up ? up_scale : gate_scale; }, lanes.pairs_of(e, x_order.len), lanes.groups(e), D, block_k,
               limit, put, tile16.data(), acc.data());
         };
-        if (down_pairs) tile_rows(h_pairs(lanes.h_pairs_of(e, I), I));
+        if (down_pairs) tile_rows(h_pairs(lanes.h_pairs_of(e, h_order.len), h_order.len, h_at.data()));
         else tile_rows(h_lanes(lanes.h_of(e, I), I, g.h_type));
         continue;
       }
@@ -589,7 +595,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
     std::vector<float> buf(std::max(kE4m3DirectMaxTokens, int64_t{2}) * I);  // direct: scaled h rows; few: two W2 rows
     std::vector<float> tile(down_pairs ? 0 : kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
-    std::vector<c10::BFloat16> tile16(down_pairs ? kRowTile * block_k : 0);
+    std::vector<c10::BFloat16> tile16(down_pairs ? kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
     float acc_direct[2][kPairsDirectMaxTokens];
     const float* hs[kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;
@@ -618,8 +624,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       if (down_pairs && lanes.groups(e) > 0) {  // the experts tile_tokens laid out: past direct_max tokens
         down_tile(
             task.row0, last, bytes, 1,
-            [&](int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) { e4m3_to_bf16(we + r * s2r + k0, n, out); },
-            scale, lanes.h_pairs_of(e, I), c1 - c0, I, D, block_k, yp + c0 * D, tile16.data(), acc.data());
+            [&](int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) { e4m3_unpacked(we + r * s2r + k0, n, out); },
+            scale, lanes.h_pairs_of(e, h_order.len), c1 - c0, I, D, block_k, yp + c0 * D, tile16.data(), acc.data());
         continue;
       }
 #endif

@@ -167,63 +167,31 @@ inline F16 exp(F16 x) {
 // AVX512_BF16, vdpbf16ps adds both products of each lane's pair to a float32 lane (products exact, two roundings:
 // the odd column's product first, inputs and results below 2^-126 flushed to zero), 32 products per instruction
 // against the float32 FMA's 16. Not part of the avx512 flags the library is built with: the functions that use it
-// are compiled for it on their own (GLM53_BF16_DOT, with AVX512_VBMI for load_pairs' byte lookups: every CPU with
-// AVX512_BF16 has it but Intel's Cooper Lake, which keeps the float32 path), and has_bf16_dot() says at run time
-// whether they may be called.
+// are compiled for it on their own (GLM53_BF16_DOT), and has_bf16_dot() says at run time whether they may be
+// called. The E4M3 conversion below needs nothing beyond AVX512BW, so Intel's Cooper Lake (AVX512_BF16 without
+// AVX512_VBMI, whose byte lookups the tile path's conversion used to take) multiplies on the pairs as well.
 #if defined(GLM53_EMULATED_AVX512)
 #define GLM53_BF16_DOT
 inline bool has_bf16_dot() { return true; }  // the emulation's own instruction (tests/avx512_emulation.h)
 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) { return glm53_emulation::dpbf16_ps(acc, a, b); }
 #else
-#define GLM53_BF16_DOT __attribute__((target("avx512bf16,avx512vbmi")))
-inline bool has_bf16_dot() { return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi"); }
+#define GLM53_BF16_DOT __attribute__((target("avx512bf16")))
+inline bool has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
 GLM53_BF16_DOT inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 #endif
 
-inline __mmask32 lane_mask32(int n) { return n >= 32 ? ~__mmask32(0) : __mmask32((1u << n) - 1u); }
-// 32 bfloat16 values (the first n; the rest read as zero) for dot_pairs.
-inline __m512i load_pairs(const c10::BFloat16* p, int n) {
-  return n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(lane_mask32(n), p);
-}
-// The bfloat16 bits of value * 2^-8 for the E4M3 magnitudes 0-127 (sign bit clear), split into low and high bytes
-// for vpermi2b: eeee mmm with e > 0 is 1.mmm * 2^(e - 15), exponent field e + 112; e = 0 is m * 2^-17 (m = 1: 2^-17,
-// 2-3: [1, 1.5] * 2^-16, 4-7: [1, 1.75] * 2^-15). 127 (a NaN in E4M3) maps to 1.875, as the other magnitudes'
-// formula gives and the float32 path's conversion does; checkpoints hold no NaN.
+// The bfloat16 bits of value * 2^-8 for the E4M3 magnitudes 0-127 (sign bit clear): eeee mmm with e > 0 is
+// 1.mmm * 2^(e - 15), exponent field e + 112; e = 0 is m * 2^-17 (m = 1: 2^-17, 2-3: [1, 1.5] * 2^-16, 4-7:
+// [1, 1.75] * 2^-15). 127 (a NaN in E4M3) maps to 1.875, as the other magnitudes' formula gives and the float32
+// path's conversion does; checkpoints hold no NaN.
 constexpr uint16_t e4m3_bf16_bits(int mag) {
   const int e = mag >> 3, m = mag & 7;
   if (e > 0) return static_cast<uint16_t>((e + 112) << 7 | m << 4);
   if (m == 0) return 0;
   const int p = m >= 4 ? 2 : m >= 2 ? 1 : 0;  // floor(log2 m)
   return static_cast<uint16_t>((110 + p) << 7 | (m << (7 - p) & 0x7F));
-}
-struct E4m3Bf16Table {
-  alignas(64) uint8_t lo[128], hi[128];
-  constexpr E4m3Bf16Table() : lo(), hi() {
-    for (int v = 0; v < 128; ++v) lo[v] = e4m3_bf16_bits(v) & 0xFF, hi[v] = e4m3_bf16_bits(v) >> 8;
-  }
-};
-inline constexpr E4m3Bf16Table kE4m3Bf16{};
-
-// 32 E4M3 bytes (the first n; the rest zero) as the bfloat16 values of value * 2^-8, in order, for dot_pairs: each
-// byte copied into both halves of its 16-bit lane (vpermb), the low and the high half looked up in the table above
-// by the byte's magnitude (vpermi2b reads seven index bits: the sign does not matter), the sign put back on top.
-// Exact, and 2x the values per second of a widening through float16 and float32 on Zen 5 (that one took ~1.6 ns
-// per 32 values from L1 and bound the direct path at 2-6 tokens).
-GLM53_BF16_DOT inline __m512i load_pairs(const E4m3* p, int n) {
-  const __m256i b = n >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                            : _mm256_maskz_loadu_epi8(lane_mask32(n), p);
-  const __m512i twice = _mm512_set_epi8(31, 31, 30, 30, 29, 29, 28, 28, 27, 27, 26, 26, 25, 25, 24, 24, 23, 23, 22,
-                                        22, 21, 21, 20, 20, 19, 19, 18, 18, 17, 17, 16, 16, 15, 15, 14, 14, 13, 13,
-                                        12, 12, 11, 11, 10, 10, 9, 9, 8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1,
-                                        0, 0);
-  const __m512i d = _mm512_permutexvar_epi8(twice, _mm512_castsi256_si512(b));
-  const auto table = [](const uint8_t* t) { return _mm512_load_si512(t); };
-  const __m512i lo = _mm512_permutex2var_epi8(table(kE4m3Bf16.lo), d, table(kE4m3Bf16.lo + 64));
-  const __m512i hi = _mm512_permutex2var_epi8(table(kE4m3Bf16.hi), d, table(kE4m3Bf16.hi + 64));
-  const __m512i bits = _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, lo, hi);
-  return _mm512_ternarylogic_epi32(bits, d, _mm512_set1_epi16(static_cast<short>(0x8000)), 0xF8);  // bits | (d & sign)
 }
 
 // 64 E4M3 bytes (load_e4m3_64: the first n, the rest zero) as the bfloat16 values of value * 2^-8 in two registers
@@ -234,9 +202,10 @@ GLM53_BF16_DOT inline __m512i load_pairs(const E4m3* p, int n) {
 // the sign above; one vpternlogd keeps the top sign bit and ORs in 112 (the exponent bias difference 127 - 7 - 8,
 // in bits above the four E4M3 exponent bits): exact for every byte with a non-zero exponent field. Zero and the
 // subnormals (exponent field 0: ~1e-4 of a block-scaled weight's values, and a short group's padding) are looked
-// up by their mantissa behind a branch. 4 instructions per 32 values (one a shuffle) against the lookups' 5 (three
-// shuffles, sharing a port with vdpbf16ps): a row pair against one token from L2 on one Zen 5 core, 63-69 GB/s
-// against 48-51 with the lookups and 33 on the float32 path (benchmarks/README.md).
+// up by their mantissa behind a branch. 4 instructions per 32 values (one a shuffle) against 5 for byte lookups in
+// a 128-entry table (three shuffles, AVX512_VBMI's vpermb and vpermi2b, sharing a port with vdpbf16ps): a row pair
+// against one token from L2 on one Zen 5 core, 63-69 GB/s against 48-51 with the lookups and 33 on the float32
+// path (benchmarks/README.md).
 GLM53_BF16_DOT inline __m512i load_e4m3_64(const E4m3* p, int n) {
   return n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64(1) << n) - 1, p);
 }
