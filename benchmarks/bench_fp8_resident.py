@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import statistics
 import subprocess
@@ -251,7 +252,7 @@ def make_routing(layers, experts, T, gen):
 
 def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = False) -> tuple[list[float], float]:
     """Median step time of each side over the same fresh inputs and routings, the caches flushed before each step
-    and the sides interleaved step by step (each going first in turn), so that all see the same moments of a
+    and the sides interleaved step by step (in every order in turn), so that all see the same moments of a
     host whose memory bandwidth drifts; ``cached``: the same input and routing every step, no flush, so the used
     weights stay in the last-level cache where they fit (the step's time without memory traffic: what the
     kernels' arithmetic and the per-op overheads cost). Also the copy bandwidth, probed once per round of steps
@@ -264,9 +265,12 @@ def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = 
     for side in sides:
         side.step(*inputs[0])
     times, copies = [[] for _ in sides], []
+    # every order of the sides in turn: each side first, and each right after each other as often (with three
+    # sides, plain rotations ran this tree's FP8 step after the BF16 one and --base's after this tree's on the same
+    # weights and routing, which printed identical kernels 0.96x)
+    orders = list(itertools.permutations(range(len(sides))))
     for i, (x, routing) in enumerate(inputs[1:]):
-        for s in (i + k for k in range(len(sides))):  # each side first in turn
-            s %= len(sides)
+        for s in orders[i % len(orders)]:
             if not cached:
                 flush_caches()
             t0 = time.perf_counter()
