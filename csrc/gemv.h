@@ -111,10 +111,9 @@ template <int R, int N, typename W, int A, bool kRowTokens = false>
   } else {
     // On avx2 and portable a load that may be partial branches to a masked or a copying form (neither has masked
     // byte loads): the whole lane groups run in a loop of their own, the rest after it (the same sums in the same
-    // order). E4M3
-    // rows from L2, one Zen 5 core, avx2: 1.45x the bytes a second for a row pair against one token, 1.15x at two,
-    // 1.05-1.3x for one row against 3-6; portable 2-3x. With masked loads (avx512) this form measured 0.6-0.9x for
-    // one row.
+    // order). E4M3 rows from L2, one Zen 5 core, avx2: 1.45x the bytes a second for a row pair against one token,
+    // 1.15x at two, 1.05-1.3x for one row against 3-6; portable 2-3x. With masked loads (avx512) this form measured
+    // 0.6-0.9x for one row.
     int64_t i = 0;
     for (; i + C * kLanes <= len; i += C * kLanes)
 #pragma GCC unroll 2
@@ -242,10 +241,11 @@ inline void rows_by_tokens_n(int nr, const float* rows, int64_t ld, const float*
 // of bk columns padded with zeros to a multiple of 64 (``block`` values), and within each 64 columns the order in
 // which vec.h's unpacked_half yields a weight's values: columns 0-7, 16-23, 32-39, 48-55, then 8-15, 24-31,
 // 40-47, 56-63. A row is ``len`` values; the padding's weights read as zero.
+constexpr int64_t unpack_block(int64_t bk) { return ceil_div(bk, 64) * 64; }  // a column block, padded
 struct UnpackOrder {
   int64_t K, bk, block, len;
-  UnpackOrder(int64_t K_, int64_t bk_)
-      : K(K_), bk(bk_), block(ceil_div(bk_, 64) * 64), len(ceil_div(K_, bk_) * block) {}
+  constexpr UnpackOrder(int64_t K_, int64_t bk_)
+      : K(K_), bk(bk_), block(unpack_block(bk_)), len(ceil_div(K_, bk_) * block) {}
   bool padded() const { return len != K; }
   // fn(k, where column k lies) for every column k < K, in order (no division by bk: callers run it per call)
   template <typename Fn>
@@ -340,7 +340,7 @@ template <int R, int N, int A>
                                                       int64_t scale_step, int64_t len, int64_t bk, float (*acc)[A]) {
   static_assert(N <= A);
   constexpr int C = R * N < 4 ? 2 : 1;
-  const int64_t block = ceil_div(bk, 64) * 64;
+  const int64_t block = unpack_block(bk);
   __m512 s[R][N], t[C][R][N];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < N; ++j) s[r][j] = _mm512_setzero_ps();
@@ -460,11 +460,11 @@ inline bool bf16_pairs(at::ScalarType tokens, int64_t K) {
 // both out in unpack order, each column block padded to a multiple of 64 (UnpackOrder).
 template <typename Tile>
 constexpr int64_t tile_stride(int64_t chunk) {
-  return std::is_same_v<Tile, float> ? chunk : ceil_div(chunk, 64) * 64;
+  return std::is_same_v<Tile, float> ? chunk : unpack_block(chunk);
 }
 template <typename Tile>
 constexpr int64_t tile_token_len(int64_t K, int64_t chunk) {
-  return std::is_same_v<Tile, float> ? K : ceil_div(K, chunk) * tile_stride<Tile>(chunk);
+  return std::is_same_v<Tile, float> ? K : UnpackOrder(K, chunk).len;
 }
 
 // One row tile against token groups: acc[g * kRowTile + i][lane] = row i . token (g * kLanes + lane) for nr rows

@@ -182,8 +182,8 @@ AcrossLanes tile_tokens(const Routing& g, int64_t I, int64_t min_tokens = kAcros
 // groups xe, kTilePassGroups per pass; put(group, r, h) stores row r of h for the kLanes tokens of a group (the
 // lanes past the last token get clamped_swiglu(0, 0) = 0). Float32 tiles hold kRowTile / 2 gate rows and the same
 // up rows; bfloat16 tiles (token pairs, gemv.h) hold kRowTile gate rows, then kRowTile up rows, since each tile
-// takes one row block's scales (scales(up): the gate's or the up block row's). tile: kRowTile x tile_stride values, acc:
-// kTilePassGroups x kRowTile x kLanes floats (twice that for bfloat16 tiles).
+// takes one row block's scales (scales(up): the gate's or the up block row's). tile: kRowTile x tile_stride
+// values, acc: kTilePassGroups x kRowTile x kLanes floats (twice that for bfloat16 tiles).
 template <typename Tile, typename Tokens, typename Row, typename Widen, typename Scales, typename Put>
 void swiglu_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const Widen& widen, const Scales& scales,
                  const Tokens* xe, int64_t groups, int64_t D, int64_t chunk, float limit, const Put& put, Tile* tile,
@@ -572,8 +572,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
               [&](bool up, int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) {
                 e4m3_unpacked(row(up, r) + k0, n, out);
               },
-              [&](bool up) { return up ? up_scale : gate_scale; }, lanes.pairs_of(e, x_order.len), lanes.groups(e), D, block_k,
-              limit, put, tile16.data(), acc.data());
+              [&](bool up) { return up ? up_scale : gate_scale; }, lanes.pairs_of(e, x_order.len), lanes.groups(e), D,
+              block_k, limit, put, tile16.data(), acc.data());
         };
         if (down_pairs) tile_rows(h_pairs(lanes.h_pairs_of(e, h_order.len), h_order.len, h_at.data()));
         else tile_rows(h_lanes(lanes.h_of(e, I), I, g.h_type));

@@ -249,11 +249,11 @@ def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
 
 
 # Tokens per expert: T = 5: 0-4 (direct; one token: bfloat16 pairs too, float32 forms for float16); 8: 2-7 (direct,
-# one row alone past kTok; few-token path on portable; 7 across the lanes on avx2); 24: 6-21 (10 and 11 on bfloat16 pairs: direct in two
-# passes; across the lanes elsewhere); 40: 13-37 (across the lanes). h is rounded to the tokens' dtype (csrc/moe.cpp
-# as_h); where the CPU has bfloat16 dot products both steps of bfloat16 tokens take bfloat16 pairs on the direct and
-# tile paths (float16 tokens keep the float32 forms). The intermediate size spans a whole and a ragged column block
-# of W2, and 4 x inter <= D for kernel_h.
+# one row alone past kTok; few-token path on portable; 7 across the lanes on avx2); 24: 6-21 (10 and 11 on bfloat16
+# pairs: direct in two passes; across the lanes elsewhere); 40: 13-37 (across the lanes). h is rounded to the
+# tokens' dtype (csrc/moe.cpp as_h); where the CPU has bfloat16 dot products both steps of bfloat16 tokens take
+# bfloat16 pairs on the direct and tile paths (float16 tokens keep the float32 forms). The intermediate size spans a
+# whole and a ragged column block of W2, and 4 x inter <= D for kernel_h.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T", [5, 8, 24, 40])
 def test_fp8_experts_16bit_tokens(T, dtype):
