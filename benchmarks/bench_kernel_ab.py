@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from vllm_glm53.backends.cpu import build, kernels  # noqa: E402
 from vllm_glm53.backends.cpu.linear import runs_on_linear16  # noqa: E402
-from vllm_glm53.quant.fp8_block import quantize_block_fp8  # noqa: E402
+from vllm_glm53.quant.fp8_block import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
 
 NAMESPACE = "vllm_glm53_base"
 _FLUSH = torch.ones(2 * (32 << 20) // 4)  # twice a 32 MiB L3
@@ -96,14 +96,13 @@ def main() -> None:
         pairs = [quantize_block_fp8(torch.randn(n, k, generator=gen) / k**0.5, (block, block)) for _ in range(experts)]
         return torch.stack([w for w, _ in pairs]), torch.stack([s for _, s in pairs])
 
-    def dequantized(w, s):
-        grid = s.repeat_interleave(block, -2).repeat_interleave(block, -1)[..., : w.shape[-2], : w.shape[-1]]
-        return (w.float() * grid).bfloat16()
+    def dequantized(w, s):  # a stack of experts, as the dequantize-at-load path holds it
+        return torch.stack([dequantize_block_fp8(w_e, s_e, (block, block)) for w_e, s_e in zip(w, s)])
 
     (w,), (s,) = quantized(1, N, D)
     w13, s13 = quantized(E, 2 * I, D)
     w2, s2 = quantized(E, D, I)
-    w_bf16, w13_bf16, w2_bf16 = dequantized(w, s), dequantized(w13, s13), dequantized(w2, s2)
+    w_bf16, w13_bf16, w2_bf16 = dequantize_block_fp8(w, s, (block, block)), dequantized(w13, s13), dequantized(w2, s2)
     linear_bf16 = tree.linear16 if runs_on_linear16(torch.bfloat16) else torch.nn.functional.linear
     short = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], capture_output=True,
                            text=True).stdout.strip()
