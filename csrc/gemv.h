@@ -254,6 +254,12 @@ struct UnpackOrder {
       for (int64_t q = 0, n = std::min(bk, K - b0); q < n; ++q)
         fn(b0 + q, o + (q & ~int64_t{63}) + (q & 8) * 4 + (q >> 4 & 3) * 8 + (q & 7));
   }
+  // where each column k < K lies (each's table, for callers that look positions up per token or per expert)
+  std::vector<int64_t> positions() const {
+    std::vector<int64_t> at(K);
+    each([&](int64_t k, int64_t a) { at[k] = a; });
+    return at;
+  }
   // row x (K values) into out (len values; the padding, if any, already zero)
   template <typename T>
   void put(const T* x, c10::BFloat16* out) const {
@@ -274,22 +280,20 @@ struct UnpackOrder {
 
 // xp[(g * order.len / 2 + p) * kLanes + lane]: token (g * kLanes + lane)'s values at positions 2p (low half) and
 // 2p + 1 of its row in unpack order (UnpackOrder keeps columns 2c and 2c + 1 side by side, 2c first) as bfloat16
-// (rounded to nearest even: exact for bfloat16 tokens), zero in the padding and past the last token. K even.
+// (rounded to nearest even: exact for bfloat16 tokens), zero in the padding and past the last token. K even; at:
+// order.positions().
 template <typename RowOf>
-void token_pairs_across_lanes(const RowOf& row, int64_t M, const UnpackOrder& order, uint32_t* xp) {
+void token_pairs_across_lanes(const RowOf& row, int64_t M, const UnpackOrder& order, const int64_t* at,
+                              uint32_t* xp) {
   const int64_t P = order.len / 2, groups = ceil_div(M, kLanes);
   if (order.padded()) std::fill_n(xp, groups * P * kLanes, 0u);
   else if (M % kLanes != 0) std::fill_n(xp + (groups - 1) * P * kLanes, P * kLanes, 0u);
-  std::vector<int64_t> pair_at(order.K / 2);
-  order.each([&](int64_t k, int64_t at) {
-    if (k % 2 == 0) pair_at[k / 2] = at / 2;
-  });
   for (int64_t j = 0; j < M; ++j) {
     const float* src = row(j);
     uint32_t* dst = xp + (j / kLanes) * P * kLanes + j % kLanes;
     for (int64_t p = 0; p < order.K / 2; ++p)
-      dst[pair_at[p] * kLanes] = static_cast<uint32_t>(c10::BFloat16(src[2 * p]).x) |
-                                 static_cast<uint32_t>(c10::BFloat16(src[2 * p + 1]).x) << 16;
+      dst[at[2 * p] / 2 * kLanes] = static_cast<uint32_t>(c10::BFloat16(src[2 * p]).x) |
+                                    static_cast<uint32_t>(c10::BFloat16(src[2 * p + 1]).x) << 16;
   }
 }
 

@@ -172,7 +172,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
           const UnpackOrder order(K, rows.column_block());
           const at::Tensor xp_buf = at::empty({groups * order.len / 2 * kLanes}, x.options().dtype(at::kInt));
           uint32_t* xp2 = reinterpret_cast<uint32_t*>(xp_buf.data_ptr<int32_t>());
-          token_pairs_across_lanes([&](int64_t j) { return xp + j * K; }, M, order, xp2);
+          token_pairs_across_lanes([&](int64_t j) { return xp + j * K; }, M, order, order.positions().data(), xp2);
           row_tiles.template operator()<c10::BFloat16>(
               static_cast<const uint32_t*>(xp2), rows.column_block(),
               [&](const RowTask&, int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) {
