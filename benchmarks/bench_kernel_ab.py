@@ -1,6 +1,7 @@
-"""Two builds of the CPU kernels in one process: this tree's and a git revision's, called in turn on the same inputs
-with the caches flushed before each call, so that both see the same moments of a host whose speed drifts (on the
-shared VMs this project is measured on, separate runs of one build differ by up to 2x).
+"""Two builds of the CPU kernels in one process: this tree's and a git revision's, called in turn (every order of
+the sides, round after round) on the same inputs with the caches flushed before each call, so that both see the
+same moments of a host whose speed drifts (on the shared VMs this project is measured on, separate runs of one
+build differ by up to 2x).
 
     .venv/bin/python benchmarks/bench_kernel_ab.py [--base HEAD] [--tokens 2 4 6 8 ...] [--repeat 15]
 
@@ -18,6 +19,7 @@ difference: zero where the arithmetic is the same).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import subprocess
 import sys
@@ -60,10 +62,14 @@ def build_base(rev: str, isa: str, out_dir: Path) -> object:
 
 
 def compare(calls: dict, repeat: int) -> dict:
-    """Median seconds of each side's calls (alternating the order, caches flushed before each)."""
+    """Median seconds of each side's calls, caches flushed before each, the sides called in every order in turn:
+    on the Zen 5 VM an FP8 call right after the bfloat16 side's (twice the bytes, another kernel) ran 8-18 % slower
+    than right after the other build's, and alternating the order of three sides put this tree's build after it
+    every other round and the base's never (identical kernels printed 0.85-0.91x at one token, now 0.99-1.02x)."""
     times = {name: [] for name in calls}
+    orders = list(itertools.permutations(calls))
     for i in range(repeat):
-        for name in (list(calls) if i % 2 == 0 else list(reversed(calls))):
+        for name in orders[i % len(orders)]:
             _FLUSH.mul_(1.0)
             t0 = time.perf_counter()
             calls[name]()
