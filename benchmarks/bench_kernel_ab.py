@@ -63,7 +63,7 @@ def build_base(rev: str, isa: str, out_dir: Path) -> object:
 
 def compare(calls: dict, repeat: int) -> dict:
     """Median seconds of each side's calls, caches flushed before each, the sides called in every order in turn:
-    on the Zen 5 VM an FP8 call right after the bfloat16 side's (twice the bytes, another kernel) ran 8-18 % slower
+    on the Zen 5 VM an FP8 call right after the bfloat16 side's (twice the bytes, another kernel) ran 8-19 % slower
     than right after the other build's, and alternating the order of three sides put this tree's build after it
     every other round and the base's never (identical kernels printed 0.85-0.91x at one token, now 0.99-1.02x)."""
     times = {name: [] for name in calls}
