@@ -254,7 +254,7 @@ struct UnpackOrder {
       for (int64_t q = 0, n = std::min(bk, K - b0); q < n; ++q)
         fn(b0 + q, o + (q & ~int64_t{63}) + (q & 8) * 4 + (q >> 4 & 3) * 8 + (q & 7));
   }
-  // where each column k < K lies (each's table, for callers that look positions up per token or per expert)
+  // each()'s positions as a table, at[k] for every column k < K (for callers that place many rows)
   std::vector<int64_t> positions() const {
     std::vector<int64_t> at(K);
     each([&](int64_t k, int64_t a) { at[k] = a; });

@@ -132,11 +132,11 @@ at::Tensor combine_pairs(const Routing& g, const at::Tensor& y) {
 
 // The experts that take the tile path (at least kAcrossLanesMinTokens tokens) and their tokens across the lanes
 // (gemv.h): x for step 1 and h, which step 1 writes for step 2, each as float32 or as bfloat16 pairs in unpack order
-// (``x_pairs``, ``h_pairs``: the orders, for bfloat16 row tiles; x_at: x_pairs->positions()). Expert e's token
-// groups are [group0[e], group0[e + 1]); a token row of a group holds D or I values, or its order's len. Both
-// buffers are left uninitialized but for h pairs with padding: the layout functions write every value of xt (zeros
-// past the last token and in the padding) and step 1 every value of ht but the padding's (a prefill's buffers are
-// hundreds of MB, zeroing them first was a second pass).
+// (``x_pairs``, ``h_pairs``: the orders, for bfloat16 row tiles). Expert e's token groups are [group0[e],
+// group0[e + 1]); a token row of a group holds D or I values, or its order's len. Both buffers are left
+// uninitialized but for h pairs with padding: the layout functions write every value of xt (zeros past the last
+// token and in the padding) and step 1 every value of ht but the padding's (a prefill's buffers are hundreds of MB,
+// zeroing them first was a second pass).
 struct AcrossLanes {
   std::vector<int64_t> group0;
   at::Tensor xt, ht;
@@ -149,8 +149,7 @@ struct AcrossLanes {
 };
 
 AcrossLanes tile_tokens(const Routing& g, int64_t I, int64_t min_tokens = kAcrossLanesMinTokens,
-                        const UnpackOrder* x_pairs = nullptr, const int64_t* x_at = nullptr,
-                        const UnpackOrder* h_pairs = nullptr) {
+                        const UnpackOrder* x_pairs = nullptr, const UnpackOrder* h_pairs = nullptr) {
   AcrossLanes a;
   a.group0.assign(g.E + 1, 0);
   for (int64_t e = 0; e < g.E; ++e)
@@ -161,7 +160,8 @@ AcrossLanes tile_tokens(const Routing& g, int64_t I, int64_t min_tokens = kAcros
   a.ht = h_pairs == nullptr   ? at::empty({groups * I * kLanes}, g.x.options())
          : h_pairs->padded() ? at::zeros({groups * h_pairs->len / 2 * kLanes}, g.x.options().dtype(at::kInt))
                              : at::empty({groups * h_pairs->len / 2 * kLanes}, g.x.options().dtype(at::kInt));
-  if (groups == 0) return a;  // no expert takes the tile path (decode with many experts): no parallel region
+  if (groups == 0) return a;  // no expert takes the tile path (decode with many experts): nothing to lay out
+  const std::vector<int64_t> x_at = x_pairs != nullptr ? x_pairs->positions() : std::vector<int64_t>();
   const float* xp = g.x.data_ptr<float>();
   at::parallel_for(0, g.E, 1, [&](int64_t e, int64_t end) {
     for (; e < end; ++e) {
@@ -169,7 +169,7 @@ AcrossLanes tile_tokens(const Routing& g, int64_t I, int64_t min_tokens = kAcros
       const auto row = [&](int64_t j) { return xp + g.token_at[g.start[e] + j] * g.D; };
 #if GLM53_AVX512
       if (x_pairs != nullptr) {
-        token_pairs_across_lanes(row, g.count[e], *x_pairs, x_at, a.pairs_of(e, x_pairs->len));
+        token_pairs_across_lanes(row, g.count[e], *x_pairs, x_at.data(), a.pairs_of(e, x_pairs->len));
         continue;
       }
 #endif
@@ -462,15 +462,14 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
                   : h_order.padded() ? at::zeros({P, h_order.len}, bf16)  // the padding's zeros are read
                                      : at::empty({P, h_order.len}, bf16);
   c10::BFloat16* hbp = down_pairs ? hb.data_ptr<c10::BFloat16>() : nullptr;
-  const std::vector<int64_t> x_at = pairs ? x_order.positions() : std::vector<int64_t>(),
-                             h_at = down_pairs ? h_order.positions() : std::vector<int64_t>();
+  const std::vector<int64_t> h_at = down_pairs ? h_order.positions() : std::vector<int64_t>();
   const auto put_h = [&](int64_t slot, int64_t r, float v) {
     v = as_h(g.h_type, v);
     hp[slot * I + r] = v;
     if (hbp != nullptr) hbp[slot * h_order.len + h_at[r]] = c10::BFloat16(v);
   };
   AcrossLanes lanes = tile_tokens(g, I, std::max(kAcrossLanesMinTokens, direct_max + 1), pairs ? &x_order : nullptr,
-                                  x_at.data(), down_pairs ? &h_order : nullptr);
+                                  down_pairs ? &h_order : nullptr);
   const int64_t chunk = ceil_div(kColumnChunk, block_k) * block_k;  // tile columns: whole scale blocks
   // Rows the direct paths prefetch ahead, as in moe_experts (pair_ahead: of step 1's gate and up row pairs).
   const int64_t ahead = rows_ahead(D), pair_ahead = 2 * rows_ahead(2 * D), down_ahead = 2 * rows_ahead(2 * I);
