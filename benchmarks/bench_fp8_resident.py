@@ -17,8 +17,16 @@ the serving model does:
   the step runs the compiled ``moe_experts_fp8`` and ``fp8_linear``;
 * ``bf16``: every weight dequantized to bfloat16 (the default model dtype) as ``StackedExperts`` and vLLM's
   unquantized linears keep them; the step runs the ``routed_experts`` op (compiled kernel for decode batches,
-  per-expert GEMMs above its threshold) and the model's bfloat16 linear: the compiled ``linear16`` on a CPU
-  without native bfloat16 arithmetic (as ``take_16bit_gemms`` sets the model's layers), else torch's ``linear``.
+  per-expert GEMMs above its threshold) and its linears as vLLM's ``ReplicatedLinear`` layers after loading:
+  vLLM's oneDNN GEMM on a packed copy where the CPU multiplies bfloat16 natively (AVX512_BF16 / AMX), else the
+  compiled ``linear16`` (``take_16bit_gemms``, in place of vLLM's fallback to torch's ``F.linear``).
+
+``--as-avx2-cpu``: both sides as an AVX2-only CPU (no AVX-512, no native bfloat16) runs them, on this one: the
+plugin sees this CPU's flags without AVX-512 / AMX (so it loads the ``avx2`` kernels and takes the bfloat16
+linears onto ``linear16``), torch's own kernels are held to AVX2 (``ATEN_CPU_CAPABILITY=avx2``) and oneDNN to
+AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``, under which vLLM's bfloat16 GEMM cannot be built, as on such a CPU). The
+arithmetic is the AVX2 CPU's; the memory system and clock stay this machine's. (``VLLM_GLM53_CPU_ISA=avx2``
+alone forces only the plugin's kernels: the BF16 side then keeps this CPU's native bfloat16 GEMMs.)
 
 A step is every layer's FFN for a batch of tokens with fresh random routing per call (top-8 of the experts,
 distinct per token). Weights of all layers are several times the last-level cache, the caches are flushed before
@@ -50,16 +58,22 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# --as-avx2-cpu: torch reads these when it first picks a kernel / builds a oneDNN primitive, so before the import
+AVX2_ONLY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+if "--as-avx2-cpu" in sys.argv:
+    os.environ.update(AVX2_ONLY_ENV)
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_kernel_ab (--base)
 
+from vllm_glm53 import testing  # noqa: E402
+from vllm_glm53.backends.cpu import build  # noqa: E402
 from vllm_glm53.backends.cpu import fp8 as fp8_ops  # noqa: E402
 from vllm_glm53.backends.cpu import kernels  # noqa: E402
 from vllm_glm53.backends.cpu import moe  # noqa: E402
-from vllm_glm53.backends.cpu.linear import linear16, runs_on_linear16  # noqa: E402
+from vllm_glm53.backends.cpu.linear import runs_on_linear16  # noqa: E402
 from vllm_glm53.quant.fp8_block import quantize_block_fp8  # noqa: E402
 
 BLOCK = (128, 128)
@@ -177,51 +191,59 @@ class Fp8Side:
         return total
 
 
+def gemm_name(layer: torch.nn.Module) -> str:
+    """Which GEMM a ``testing.loaded_linear`` layer runs, for the header."""
+    if layer.weight.numel() == 0:
+        return "vLLM's packed GEMM (oneDNN)"
+    return "the compiled linear16" if runs_on_linear16(layer.weight.dtype) else "torch's F.linear (vLLM's fallback)"
+
+
 class Bf16Side:
-    """What the dequantize-at-load path keeps: everything in bfloat16."""
+    """What the dequantize-at-load path keeps: everything in bfloat16, the linears as the model's layers run them
+    (``testing.loaded_linear``)."""
 
     def __init__(self, f, layers: int, experts: int) -> None:
         def deq(name):
             w, s = Fp8Side._one(f, name)
             return fp8_ops.dequantize_parts(w, s, [w.shape[0]], BLOCK, torch.bfloat16)
 
-        self.layers = []
+        def linear(*names):
+            weight = torch.cat([deq(name) for name in names])
+            self.linear_bytes += weight.nbytes
+            return testing.loaded_linear(weight)
+
+        self.layers, self.linear_bytes = [], 0
         for layer in range(layers):
             p = f"model.layers.{layer}.mlp"
             if layer == 0:
-                self.layers.append(("dense", torch.cat([deq(f"{p}.gate_proj"), deq(f"{p}.up_proj")]),
-                                    deq(f"{p}.down_proj")))
+                self.layers.append(("dense", linear(f"{p}.gate_proj", f"{p}.up_proj"), linear(f"{p}.down_proj")))
                 continue
             w13 = torch.empty(experts, 2 * MOE_INTER, HIDDEN, dtype=torch.bfloat16)
             w2 = torch.empty(experts, HIDDEN, MOE_INTER, dtype=torch.bfloat16)
             for e in range(experts):
                 w13[e] = torch.cat([deq(f"{p}.experts.{e}.gate_proj"), deq(f"{p}.experts.{e}.up_proj")])
                 w2[e] = deq(f"{p}.experts.{e}.down_proj")
-            self.layers.append(("moe", w13, w2, torch.cat([deq(f"{p}.shared_experts.gate_proj"),
-                                                           deq(f"{p}.shared_experts.up_proj")]),
-                                deq(f"{p}.shared_experts.down_proj")))
+            self.layers.append(("moe", w13, w2, linear(f"{p}.shared_experts.gate_proj", f"{p}.shared_experts.up_proj"),
+                                linear(f"{p}.shared_experts.down_proj")))
 
     def step(self, x, routing):
-        linear = linear16 if runs_on_linear16(torch.bfloat16) else F.linear
         for i, entry in enumerate(self.layers):
             if entry[0] == "dense":
-                x = x + linear(moe.clamped_swiglu(linear(x, entry[1]), LIMIT), entry[2])
+                x = x + entry[2](moe.clamped_swiglu(entry[1](x)[0], LIMIT))[0]
                 continue
             _, w13, w2, gate_up, down = entry
             ids, weights = routing[i]
             routed = moe.routed_experts(x, w13, w2, ids, weights, LIMIT)
-            shared = linear(moe.clamped_swiglu(linear(x, gate_up), LIMIT), down)
+            shared = down(moe.clamped_swiglu(gate_up(x)[0], LIMIT))[0]
             x = x + (routed.to(x.dtype) + shared)
         return x
 
     def bytes_read(self, routing) -> int:
-        total = 0
+        total = self.linear_bytes
         for i, entry in enumerate(self.layers):
-            if entry[0] == "dense":
-                total += entry[1].nbytes + entry[2].nbytes
-                continue
-            _, w13, w2, gate_up, down = entry
-            total += routing[i][0].unique().numel() * (w13[0].nbytes + w2[0].nbytes) + gate_up.nbytes + down.nbytes
+            if entry[0] == "moe":
+                _, w13, w2 = entry[:3]
+                total += routing[i][0].unique().numel() * (w13[0].nbytes + w2[0].nbytes)
         return total
 
 
@@ -302,7 +324,8 @@ def check(fp8: Fp8Side, bf16: Bf16Side, layers, experts, T) -> tuple[float, floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # no abbreviations: --as-avx2-cpu is looked for in sys.argv as written, before torch is imported
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--experts", type=int, help="default 64 (32 with --release-shapes)")
     parser.add_argument("--layers", type=int, help="default 6 (3 with --release-shapes)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -314,6 +337,8 @@ def main() -> None:
     parser.add_argument("--base", metavar="REV",
                         help="also time the FP8 step on a git revision's kernels (built as bench_kernel_ab.py does), "
                              "interleaved with this tree's: the last two columns")
+    parser.add_argument("--as-avx2-cpu", action="store_true",
+                        help="both sides as an AVX2-only CPU runs them (see the module docstring)")
     parser.add_argument("--write", help=argparse.SUPPRESS)  # the child that writes the checkpoint
     args = parser.parse_args()
     if args.release_shapes:
@@ -325,6 +350,14 @@ def main() -> None:
         write_checkpoint(Path(args.write), args.layers, args.experts)
         return
     torch.set_num_threads(args.threads)
+    if args.as_avx2_cpu:
+        if kernels.ISA_ENV in os.environ:
+            raise SystemExit(f"--as-avx2-cpu picks the kernels itself: unset {kernels.ISA_ENV}")
+        flags = build.cpu_flags()
+        if not set(build.ISA_CPU_FLAGS["avx2"]) <= flags:
+            raise SystemExit("--as-avx2-cpu needs a CPU that runs AVX2 + FMA + F16C")
+        avx2_only = {flag for flag in flags if not flag.startswith(("avx512", "amx"))}
+        build.cpu_flags = lambda: avx2_only  # read by the kernel loader and native_16bit, neither called yet
     if kernels.ops() is None:
         raise SystemExit(f"needs the compiled kernels: {kernels.description()}")
     with tempfile.TemporaryDirectory() as d:
@@ -336,20 +369,23 @@ def main() -> None:
         from safetensors import safe_open
 
         ckpt_bytes = path.stat().st_size
-        gc.collect()
-        rss0 = rss_anon()
-        with safe_open(str(path), "pt") as f:
-            fp8 = Fp8Side(f, args.layers, args.experts)
-        gc.collect()
-        rss_fp8 = rss_anon() - rss0
-        with safe_open(str(path), "pt") as f:
-            bf16 = Bf16Side(f, args.layers, args.experts)
-        gc.collect()
-        rss_bf16 = rss_anon() - rss0 - rss_fp8
+        with testing.standalone_model_parallel():
+            testing.loaded_linear(torch.zeros(256, 256, dtype=torch.bfloat16))  # vLLM's set-up, GEMM libraries
+            gc.collect()
+            rss0 = rss_anon()
+            with safe_open(str(path), "pt") as f:
+                fp8 = Fp8Side(f, args.layers, args.experts)
+            gc.collect()
+            rss_fp8 = rss_anon() - rss0
+            with safe_open(str(path), "pt") as f:
+                bf16 = Bf16Side(f, args.layers, args.experts)
+            gc.collect()
+            rss_bf16 = rss_anon() - rss0 - rss_fp8
 
-    print(f"# FP8-resident FFN decode step on CPU: {kernels.description()}; torch {torch.__version__}, "
-          f"{args.threads} threads; bf16 linears on "
-          f"{'linear16' if runs_on_linear16(torch.bfloat16) else 'torch F.linear'}")
+    as_avx2 = f" as an AVX2-only CPU ({', '.join(f'{k}={v}' for k, v in AVX2_ONLY_ENV.items())})" \
+        if args.as_avx2_cpu else ""
+    print(f"# FP8-resident FFN decode step on CPU{as_avx2}: {kernels.description()}; torch {torch.__version__}, "
+          f"{args.threads} threads; bf16 linears on {gemm_name(bf16.layers[0][1])}")
     print(f"# {args.layers} layers (1 dense + {args.layers - 1} MoE), {args.experts} experts top-{TOPK} + 1 shared, "
           f"hidden {HIDDEN}, expert intermediate {MOE_INTER}; checkpoint {ckpt_bytes / 2**20:.1f} MiB; "
           f"RSS after load: fp8 {rss_fp8 / 2**20:.1f} MiB ({rss_fp8 / ckpt_bytes:.2f}x checkpoint), "

@@ -10,8 +10,8 @@ The revision's ``csrc/`` is compiled with the flags this tree's build uses for t
 sizes with block-FP8 weights (random values quantized by block) and bfloat16 tokens: ``fp8_linear`` 12288 x 4096
 (a fused gate|up of the dense layers, 50 MB of E4M3) at M tokens, and ``moe_experts_fp8`` for 4 experts (D 4096,
 I 2048: 100 MB) with M tokens each. A third side, timed in the same turns, runs what the dequantize-at-load model
-runs on the same weights in bfloat16 (twice the bytes): ``moe_experts``, and ``linear16`` or torch's ``F.linear``
-as the model picks (``runs_on_linear16``).
+runs on the same weights in bfloat16 (twice the bytes): ``moe_experts``, and the linear as the model's layer runs
+it (``testing.loaded_linear``: vLLM's oneDNN GEMM where the CPU multiplies bfloat16 natively, else ``linear16``).
 Medians of ``--repeat`` calls per side; the last column compares the two builds' outputs (relative max
 difference: zero where the arithmetic is the same).
 """
@@ -34,8 +34,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from vllm_glm53 import testing  # noqa: E402
 from vllm_glm53.backends.cpu import build, kernels  # noqa: E402
-from vllm_glm53.backends.cpu.linear import runs_on_linear16  # noqa: E402
 from vllm_glm53.quant.fp8_block import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
 
 NAMESPACE = "vllm_glm53_base"
@@ -109,7 +109,8 @@ def main() -> None:
     w13, s13 = quantized(E, 2 * I, D)
     w2, s2 = quantized(E, D, I)
     w_bf16, w13_bf16, w2_bf16 = dequantize_block_fp8(w, s, (block, block)), dequantized(w13, s13), dequantized(w2, s2)
-    linear_bf16 = tree.linear16 if runs_on_linear16(torch.bfloat16) else torch.nn.functional.linear
+    with testing.standalone_model_parallel():
+        linear_bf16 = testing.loaded_linear(w_bf16)
     short = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], capture_output=True,
                            text=True).stdout.strip()
     print(f"# {kernels.description()}; base {args.base} ({short}) against this tree; {torch.get_num_threads()} "
@@ -122,7 +123,7 @@ def main() -> None:
         ids = torch.arange(E, dtype=torch.int32).repeat(M, 1)  # every token to all E experts: M tokens each
         weights = torch.rand(M, E, generator=gen)
         ops = [(f"fp8_linear {N} x {D}", lambda lib: lib.fp8_linear(x, w, s, [N], block, block),
-                lambda: linear_bf16(x, w_bf16)),
+                lambda: linear_bf16(x)[0]),
                (f"moe_experts_fp8, {E} experts",
                 lambda lib: lib.moe_experts_fp8(x, w13, s13, w2, s2, ids, weights, 10.0, block, block),
                 lambda: tree.moe_experts(x, w13_bf16, w2_bf16, ids, weights, 10.0))]

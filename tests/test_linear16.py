@@ -154,3 +154,22 @@ def test_layers_stay_with_vllm_where_the_kernel_would_not_be_faster(monkeypatch)
         # the portable build's loops are slower than torch's bfloat16 GEMM at decode sizes
         monkeypatch.setattr(linear_ops.kernels, "isa", lambda: "portable")
         assert linear_ops.take_16bit_gemms(_loaded_layers(torch.bfloat16)) == 0
+
+
+def test_loaded_linear_runs_the_models_gemm(monkeypatch):
+    """``testing.loaded_linear`` (the benchmarks' bfloat16 layers) holds a weight as the model does: linear16 where
+    vLLM's dispatch would fall back to torch's bfloat16 GEMM, vLLM's own GEMM where the CPU multiplies natively."""
+    gen = _gen(23)
+    weight, x = _weight(40, 96, torch.bfloat16, gen), torch.randn(5, 96, generator=gen).bfloat16()
+    want = (x.double() @ weight.double().t()).bfloat16()
+    with testing.standalone_model_parallel():
+        monkeypatch.setattr(linear_ops, "native_16bit", lambda d: False)
+        with _vllm.cpu_gemm_dispatch_without_native_16bit():
+            widened = testing.loaded_linear(weight.clone())
+        # (not with the portable build, whose loops are slower than torch's bfloat16 GEMM at decode sizes)
+        assert (widened.cpu_linear is linear_ops._cpu_linear) == (linear_ops.kernels.isa() != "portable")
+        _close(widened(x)[0], want, ulps=2)
+        monkeypatch.setattr(linear_ops, "native_16bit", lambda d: True)
+        native = testing.loaded_linear(weight.clone())
+        assert native.cpu_linear is not linear_ops._cpu_linear
+        _close(native(x)[0], want, ulps=2)

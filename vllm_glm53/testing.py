@@ -114,6 +114,22 @@ def finish_loading(module) -> None:
             method.process_weights_after_loading(sub)
 
 
+def loaded_linear(weight):
+    """A linear layer holding ``weight`` [N, K] as the plugin's model holds a loaded one: vLLM's ``ReplicatedLinear``,
+    finalised as vLLM's loader does (:func:`finish_loading`: on CPU its GEMM dispatch, oneDNN on a packed copy of
+    the weight where the CPU multiplies the dtype natively, torch's ``F.linear`` where it does not), then the model's
+    own after-loading hook (on CPU the compiled ``linear16`` in place of that fallback). Call as ``layer(x)[0]``;
+    build it inside :class:`standalone_model_parallel`. Benchmarks time the model's GEMM with it."""
+    from vllm_glm53 import _vllm
+    from vllm_glm53.model.weights import after_weights_processed
+
+    layer = _vllm.ReplicatedLinear(weight.shape[1], weight.shape[0], bias=False, params_dtype=weight.dtype)
+    layer.weight.data = weight  # what its weight loader would copy in, without a second copy to free
+    finish_loading(layer)
+    after_weights_processed(layer)
+    return layer
+
+
 class standalone_model_parallel:
     """Context in which vLLM's parallel layers can be built and run outside an engine (unit tests,
     benchmarks): a default ``VllmConfig`` and a gloo process group of ``tp_size`` ranks, torn down on exit.
