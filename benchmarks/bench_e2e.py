@@ -34,7 +34,8 @@ the language model only; the vLLM side serves the same checkpoint with ``limit_m
 built).
 
 ``VLLM_GLM53_CPU_KERNELS=0`` runs the plugin on its plain-torch backends, ``VLLM_GLM53_CPU_ISA=avx2`` (or
-``portable``) on another instruction set's kernels. ``--bind-sweep`` runs only the plugin, once per
+``portable``) on another instruction set's kernels; ``--as-avx2-cpu`` runs both sides as an AVX2-only CPU would
+(``benchmarks/avx2_only.py``: torch and oneDNN held to AVX2 as well). ``--bind-sweep`` runs only the plugin, once per
 ``VLLM_CPU_OMP_THREADS_BIND`` setting (TP=1: nobind, auto, all CPUs, one CPU; TP=2: one half per rank, nobind,
 auto) and prints one table.
 """
@@ -51,6 +52,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import avx2_only  # this directory's (--as-avx2-cpu)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -311,8 +314,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (the median is reported)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of the vLLM run")
     parser.add_argument("--bind-sweep", action="store_true", help="plugin only, under each thread binding")
+    parser.add_argument(avx2_only.FLAG, action="store_true", help=avx2_only.HELP)
     parser.add_argument("--child", choices=["vllm", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.as_avx2_cpu:
+        avx2_only.apply()  # before anything here imports torch; both sides' processes inherit it
 
     from vllm_glm53.recipes import cpu_bind
 
@@ -340,7 +346,8 @@ def main() -> None:
 
     from vllm_glm53.backends.cpu import kernels
 
-    print(f"# End to end, kernel-friendly tiny checkpoint, {args.dtype}, {os.cpu_count()} CPUs, "
+    print(f"# End to end, kernel-friendly tiny checkpoint, {args.dtype}, {os.cpu_count()} CPUs"
+          f"{avx2_only.describe() if args.as_avx2_cpu else ''}, "
           f"VLLM_CPU_OMP_THREADS_BIND={bind} (transformers pinned to cores {cpus_of(bind)}), n1 {args.n1}, "
           f"n2 {args.n2}, median of {args.repeat}; plugin backends: {kernels.description()}; {agreement}\n")
     print(table(ours, ref, args))

@@ -21,12 +21,7 @@ the serving model does:
   vLLM's oneDNN GEMM on a packed copy where the CPU multiplies bfloat16 natively (AVX512_BF16 / AMX), else the
   compiled ``linear16`` (``take_16bit_gemms``, in place of vLLM's fallback to torch's ``F.linear``).
 
-``--as-avx2-cpu``: both sides as an AVX2-only CPU (no AVX-512, no native bfloat16) runs them, on this one: the
-plugin sees this CPU's flags without AVX-512 / AMX (so it loads the ``avx2`` kernels and takes the bfloat16
-linears onto ``linear16``), torch's own kernels are held to AVX2 (``ATEN_CPU_CAPABILITY=avx2``) and oneDNN to
-AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``, under which vLLM's bfloat16 GEMM cannot be built, as on such a CPU). The
-arithmetic is the AVX2 CPU's; the memory system and clock stay this machine's. (``VLLM_GLM53_CPU_ISA=avx2``
-alone forces only the plugin's kernels: the BF16 side then keeps this CPU's native bfloat16 GEMMs.)
+``--as-avx2-cpu``: both sides as an AVX2-only CPU runs them (``benchmarks/avx2_only.py``).
 
 A step is every layer's FFN for a batch of tokens with fresh random routing per call (top-8 of the experts,
 distinct per token). Weights of all layers are several times the last-level cache, the caches are flushed before
@@ -58,18 +53,18 @@ import tempfile
 import time
 from pathlib import Path
 
-# --as-avx2-cpu: torch reads these when it first picks a kernel / builds a oneDNN primitive, so before the import
-AVX2_ONLY_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-if "--as-avx2-cpu" in sys.argv:
-    os.environ.update(AVX2_ONLY_ENV)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_kernel_ab (--base), avx2_only
+
+import avx2_only  # noqa: E402
+
+# torch reads these when it first picks a kernel / builds a oneDNN primitive, so before the import
+if avx2_only.FLAG in sys.argv:
+    avx2_only.apply()
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_kernel_ab (--base)
-
 from vllm_glm53 import testing  # noqa: E402
-from vllm_glm53.backends.cpu import build  # noqa: E402
 from vllm_glm53.backends.cpu import fp8 as fp8_ops  # noqa: E402
 from vllm_glm53.backends.cpu import kernels  # noqa: E402
 from vllm_glm53.backends.cpu import moe  # noqa: E402
@@ -337,8 +332,7 @@ def main() -> None:
     parser.add_argument("--base", metavar="REV",
                         help="also time the FP8 step on a git revision's kernels (built as bench_kernel_ab.py does), "
                              "interleaved with this tree's: the last two columns")
-    parser.add_argument("--as-avx2-cpu", action="store_true",
-                        help="both sides as an AVX2-only CPU runs them (see the module docstring)")
+    parser.add_argument(avx2_only.FLAG, action="store_true", help=avx2_only.HELP)
     parser.add_argument("--write", help=argparse.SUPPRESS)  # the child that writes the checkpoint
     args = parser.parse_args()
     if args.release_shapes:
@@ -350,14 +344,6 @@ def main() -> None:
         write_checkpoint(Path(args.write), args.layers, args.experts)
         return
     torch.set_num_threads(args.threads)
-    if args.as_avx2_cpu:
-        if kernels.ISA_ENV in os.environ:
-            raise SystemExit(f"--as-avx2-cpu picks the kernels itself: unset {kernels.ISA_ENV}")
-        flags = build.cpu_flags()
-        if not set(build.ISA_CPU_FLAGS["avx2"]) <= flags:
-            raise SystemExit("--as-avx2-cpu needs a CPU that runs AVX2 + FMA + F16C")
-        avx2_only = {flag for flag in flags if not flag.startswith(("avx512", "amx"))}
-        build.cpu_flags = lambda: avx2_only  # read by the kernel loader and native_16bit, neither called yet
     if kernels.ops() is None:
         raise SystemExit(f"needs the compiled kernels: {kernels.description()}")
     with tempfile.TemporaryDirectory() as d:
@@ -382,8 +368,7 @@ def main() -> None:
             gc.collect()
             rss_bf16 = rss_anon() - rss0 - rss_fp8
 
-    as_avx2 = f" as an AVX2-only CPU ({', '.join(f'{k}={v}' for k, v in AVX2_ONLY_ENV.items())})" \
-        if args.as_avx2_cpu else ""
+    as_avx2 = avx2_only.describe() if args.as_avx2_cpu else ""
     print(f"# FP8-resident FFN decode step on CPU{as_avx2}: {kernels.description()}; torch {torch.__version__}, "
           f"{args.threads} threads; bf16 linears on {gemm_name(bf16.layers[0][1])}")
     print(f"# {args.layers} layers (1 dense + {args.layers - 1} MoE), {args.experts} experts top-{TOPK} + 1 shared, "

@@ -173,3 +173,24 @@ def test_loaded_linear_runs_the_models_gemm(monkeypatch):
         native = testing.loaded_linear(weight.clone())
         assert native.cpu_linear is not linear_ops._cpu_linear
         _close(native(x)[0], want, ulps=2)
+
+
+@pytest.mark.parametrize("cap, bf16, fp16", [
+    (None, True, True), ("ALL", True, True), ("AVX2", False, False), ("avx512_core_vnni", False, False),
+    ("AVX512_CORE_BF16", True, False), ("AVX512_CORE_FP16", True, True), ("AVX10_1_512_AMX", True, True)])
+@pytest.mark.parametrize("variable", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
+def test_native_16bit_follows_onednns_instruction_set_cap(monkeypatch, variable, cap, bf16, fp16):
+    """On a CPU with bfloat16 and float16 dot products, oneDNN capped below them (as ``--as-avx2-cpu`` of
+    bench_fp8_resident does, or a user) leaves vLLM's and torch's 16-bit GEMMs converting: not native."""
+    from vllm_glm53.backends.cpu import build
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16"})
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    if cap is not None:
+        monkeypatch.setenv(variable, cap)
+    linear_ops.native_16bit.cache_clear()
+    try:
+        assert (linear_ops.native_16bit(torch.bfloat16), linear_ops.native_16bit(torch.float16)) == (bf16, fp16)
+    finally:
+        linear_ops.native_16bit.cache_clear()

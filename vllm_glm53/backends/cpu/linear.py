@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -32,14 +33,34 @@ logger = logging.getLogger("vllm_glm53")
 # The CPU features that give torch's GEMMs native arithmetic for each 16-bit dtype (dot products or tiles).
 _NATIVE_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16"}, torch.float16: {"avx512_fp16", "amx_fp16"}}
 
+# oneDNN, under vLLM's and torch's 16-bit GEMMs, uses no instruction set above ONEDNN_MAX_CPU_ISA (DNNL_MAX_CPU_ISA
+# before oneDNN 2): its levels as oneDNN numbers them (dnnl_cpu_isa_t, each level's bits holding the lower ones'),
+# and the level each 16-bit dtype's native GEMMs need. Capped below it, vLLM cannot build its GEMM for the dtype
+# and torch's converts inside, as on a CPU without the instructions.
+_ONEDNN_ISA_BITS = {"SSE41": 0x1, "AVX": 0x3, "AVX2": 0x7, "AVX2_VNNI": 0xF, "AVX2_VNNI_2": 0x1F, "AVX512_CORE": 0x27,
+                    "AVX512_CORE_VNNI": 0x67, "AVX512_CORE_BF16": 0xE7, "AVX10_1_512": 0x1EF,
+                    "AVX512_CORE_FP16": 0x1EF, "AVX10_1_512_AMX": 0xFEF, "AVX512_CORE_AMX": 0xFEF,
+                    "AVX10_1_512_AMX_FP16": 0x1FEF, "AVX512_CORE_AMX_FP16": 0x1FEF}
+_ONEDNN_NATIVE_BITS = {torch.bfloat16: 0xE7, torch.float16: 0x1EF}
+
+
+def _onednn_allows(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's instruction-set cap (if any) leaves it the instructions for native ``dtype`` GEMMs."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    bits = _ONEDNN_ISA_BITS.get(cap)
+    if bits is None:  # no cap, ALL / DEFAULT, or a level newer than this table (above all of these)
+        return True
+    need = _ONEDNN_NATIVE_BITS[dtype]
+    return bits & need == need
+
 
 @functools.cache
 def native_16bit(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies ``dtype`` (bfloat16 / float16) natively, so torch's and oneDNN's GEMMs in it run
-    at full rate."""
+    at full rate: it has the instructions and oneDNN is not capped below them (``ONEDNN_MAX_CPU_ISA``)."""
     from vllm_glm53.backends.cpu.build import cpu_flags
 
-    return bool(_NATIVE_FLAGS.get(dtype, set()) & cpu_flags())
+    return bool(_NATIVE_FLAGS.get(dtype, set()) & cpu_flags()) and _onednn_allows(dtype)
 
 
 def widens(dtype: torch.dtype) -> bool:
