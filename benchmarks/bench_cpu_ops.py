@@ -60,6 +60,7 @@ import time
 
 import torch
 
+import caches  # this directory's
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import kda, kernels, mhc, moe
 from vllm_glm53.backends.cpu import linear as lin16
@@ -70,7 +71,6 @@ from vllm_glm53.config import cache_row_size
 
 WORKING_SET = 512 << 20  # bytes of the bandwidth probes: many times a 32 MiB L3
 COPY_BUDGET = 1 << 30  # bytes of data copies per benchmark row
-_FLUSH = torch.ones(2 * (32 << 20) // 4)  # twice this machine's 32 MiB L3
 _TOUCH = torch.ones(1)
 
 
@@ -78,7 +78,7 @@ def flush_caches() -> None:
     """Evict the op's data (and everything else) from the caches, then run one trivial torch op: in a model step
     the interpreter and torch's dispatcher run between every two ops and stay cached, while an op's own data and
     code were last used a layer ago."""
-    _FLUSH.mul_(1.0)
+    caches.flush()
     _TOUCH.add_(0.0)
 
 

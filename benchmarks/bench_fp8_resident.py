@@ -36,7 +36,7 @@ floor is measured at the same moments as the steps (on the shared VMs this is ru
 up to 2x within minutes; one probe before all batches made the floor ratio follow it). ``fp8 step, weights
 cached``: the same step repeated on one input and routing without flushing, so its weights stay in the last-level
 cache; close to the cold step, the step is bound by the kernels' arithmetic (E4M3 conversion) and per-op
-overheads, not by memory. Only where the step's weights fit that cache (``L3_BYTES``): a step reading more
+overheads, not by memory. Only where the step's weights fit that cache (``caches.L3_BYTES``): a step reading more
 streams from memory either way and says nothing, so the column prints "-" (every ``--release-shapes`` batch; the
 tables before 2026-12-04 printed it there and were at times read as arithmetic-bound). ``RSS`` is the growth of the process's
 anonymous resident memory while a side loads (``RssAnon``), against the checkpoint's bytes.
@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_kernel_ab (--base), avx2_only
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_kernel_ab (--base), avx2_only, caches
 
 import avx2_only  # noqa: E402
 
@@ -66,6 +66,7 @@ if avx2_only.FLAG in sys.argv:
 
 import torch  # noqa: E402
 
+import caches  # noqa: E402
 from vllm_glm53 import testing  # noqa: E402
 from vllm_glm53.backends.cpu import fp8 as fp8_ops  # noqa: E402
 from vllm_glm53.backends.cpu import kernels  # noqa: E402
@@ -76,23 +77,6 @@ from vllm_glm53.quant.fp8_block import quantize_block_fp8  # noqa: E402
 BLOCK = (128, 128)
 HIDDEN, DENSE_INTER, MOE_INTER, TOPK, LIMIT = 512, 1024, 256, 8, 10.0
 WORKING_SET = 512 << 20
-
-
-def l3_bytes() -> int:
-    """The last-level cache of CPU 0 (Linux sysfs), 32 MiB where it cannot be read."""
-    try:
-        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()  # e.g. "32768K"
-        return int(size.rstrip("KM")) * {"K": 1 << 10, "M": 1 << 20}.get(size[-1], 1)
-    except (OSError, ValueError):
-        return 32 << 20
-
-
-L3_BYTES = l3_bytes()
-_FLUSH = torch.ones(2 * L3_BYTES // 4)  # twice the L3
-
-
-def flush_caches() -> None:
-    _FLUSH.mul_(1.0)
 
 
 def rss_anon() -> int:
@@ -303,7 +287,7 @@ def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = 
     for i, (x, routing) in enumerate(inputs[1:]):
         for s in orders[i % len(orders)]:
             if not cached:
-                flush_caches()
+                caches.flush()
             t0 = time.perf_counter()
             sides[s].step(x, routing)
             times[s].append(time.perf_counter() - t0)
@@ -408,7 +392,7 @@ def main() -> None:
         routing = make_routing(args.layers, args.experts, T, torch.Generator().manual_seed(T))
         b_fp8, b_bf16 = fp8.bytes_read(routing), bf16.bytes_read(routing)
         cached = "-"
-        if b_fp8 <= L3_BYTES:
+        if b_fp8 <= caches.L3_BYTES:
             [t_cached], _ = median_steps([fp8], torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T,
                                          cached=True)
             cached = f"{t_cached * 1e3:.2f}"

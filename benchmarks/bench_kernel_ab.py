@@ -34,12 +34,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import caches  # noqa: E402
 from vllm_glm53 import testing  # noqa: E402
 from vllm_glm53.backends.cpu import build, kernels  # noqa: E402
 from vllm_glm53.quant.fp8_block import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
 
 NAMESPACE = "vllm_glm53_base"
-_FLUSH = torch.ones(2 * (32 << 20) // 4)  # twice a 32 MiB L3
 
 
 def build_base(rev: str, isa: str, out_dir: Path) -> object:
@@ -70,7 +70,7 @@ def compare(calls: dict, repeat: int) -> dict:
     orders = list(itertools.permutations(calls))
     for i in range(repeat):
         for name in orders[i % len(orders)]:
-            _FLUSH.mul_(1.0)
+            caches.flush()
             t0 = time.perf_counter()
             calls[name]()
             times[name].append(time.perf_counter() - t0)
