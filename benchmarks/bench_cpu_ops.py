@@ -1,6 +1,7 @@
 """CPU ops of GLM-5.3: compiled kernels (csrc/) vs plain torch vs the memory floor.
 
     .venv/bin/python benchmarks/bench_cpu_ops.py [--threads N] [--repeat 7] [--batch 8] [--max-context 8192]
+                                                 [--as-avx2-cpu]
 
 Geometry: the real per-head sizes (KDA heads of 128, latent 512, indexer 4 heads of 128, index_topk 64,
 pools of 4), float32 as in the parity tests, 4 KDA / MLA heads as in the kernel-friendly tiny checkpoint
@@ -45,8 +46,13 @@ the torch loop and as the compiled kernel called directly (the backend picks the
 each call on its own cold set of weights.
 
 Linear rows time one layer with a bfloat16 weight (4096 x 4096) as vLLM's CPU linear layers run it where the CPU
-has no native bfloat16 (torch's bfloat16 ``F.linear``), as a float32 model would (float32 weight, twice the bytes)
-and through the compiled ``linear16`` the plugin puts there (backends/cpu/linear.py).
+has no native bfloat16 (torch's bfloat16 ``F.linear``), as a float32 model would (float32 weight, twice the bytes),
+through the compiled ``linear16`` the plugin puts there (backends/cpu/linear.py), and as the plugin's model runs it
+on this CPU (``testing.loaded_linear``: vLLM's oneDNN GEMM on a packed weight where the CPU multiplies bfloat16
+natively, ``linear16`` where it does not).
+
+``--as-avx2-cpu`` runs everything as an AVX2-only CPU would (benchmarks/avx2_only.py: the plugin's ``avx2``
+kernels, torch and oneDNN held to AVX2); ``VLLM_GLM53_CPU_ISA=avx2`` alone swaps only the plugin's kernels.
 
 The machine may be shared: other processes on the same cores stretch single calls (the median absorbs a few).
 """
@@ -56,18 +62,25 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
-import torch
+import avx2_only  # this directory's
 
-import caches  # this directory's
-from vllm_glm53.backends.cpu import indexer as ix
-from vllm_glm53.backends.cpu import kda, kernels, mhc, moe
-from vllm_glm53.backends.cpu import linear as lin16
-from vllm_glm53.backends.cpu import sparse_mla as mla
-from vllm_glm53.backends.pages import page_views
-from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
-from vllm_glm53.config import cache_row_size
+# torch reads these when it first picks a kernel / builds a oneDNN primitive, so before the import
+if avx2_only.FLAG in sys.argv:
+    avx2_only.apply()
+
+import torch  # noqa: E402
+
+import caches  # noqa: E402
+from vllm_glm53.backends.cpu import indexer as ix  # noqa: E402
+from vllm_glm53.backends.cpu import kda, kernels, mhc, moe  # noqa: E402
+from vllm_glm53.backends.cpu import linear as lin16  # noqa: E402
+from vllm_glm53.backends.cpu import sparse_mla as mla  # noqa: E402
+from vllm_glm53.backends.pages import page_views  # noqa: E402
+from vllm_glm53.backends.plans import LatentCachePlan, StateSlots  # noqa: E402
+from vllm_glm53.config import cache_row_size  # noqa: E402
 
 WORKING_SET = 512 << 20  # bytes of the bandwidth probes: many times a 32 MiB L3
 COPY_BUDGET = 1 << 30  # bytes of data copies per benchmark row
@@ -117,11 +130,11 @@ def bandwidths(repeat: int) -> tuple[float, float]:
     return read, update
 
 
-def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+def check(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-4) -> None:
     """The compiled output agrees with the torch one (float32: the kernels' tests allow a few ulps of scale)."""
     err = (got.float() - want.float()).abs().max().item()
     scale = want.float().abs().max().item()
-    if not err <= 1e-4 * max(scale, 1e-30):
+    if not err <= tol * max(scale, 1e-30):
         raise SystemExit(f"{what}: compiled and torch outputs differ (max {err:.3g} at scale {scale:.3g})")
 
 
@@ -416,23 +429,30 @@ def bench_moe(E: int, D: int, inter: int, k: int, batches: list[int], bw: float,
 
 
 def bench_linear16(N: int, K: int, batches: list[int], bw: float, repeat: int, ops) -> list[str]:
-    out = [
-        f"Linear layer with a bfloat16 weight [{N}, {K}] and bfloat16 activations, cold weights; times in µs; "
-        "floor = the bfloat16 weight's bytes / read bandwidth",
-        "",
-        row("batch", "torch bf16 (vLLM's fallback)", "torch, float32 weight", "compiled linear16", "floor",
-            "x floor", "speed-up vs bf16", "vs float32"),
-        row(*["---"] * 8),
-    ]
-    # Disjoint weight copies for the three columns, each a float32 copy beside its bfloat16 one (what a float32
-    # model would hold).
-    n = copies_for(6 * N * K, repeat)
+    from vllm_glm53 import testing
+
+    # Disjoint weight copies for the four columns, each a float32 copy beside its bfloat16 one (what a float32
+    # model would hold); the model's layers take the first copies' own clones (vLLM's dispatch may repack them).
+    n = copies_for(8 * N * K, repeat)
     weights = [torch.randn(N, K).div_(K**0.5).bfloat16() for _ in range(n)]
     weights32 = [w.float() for w in weights]
+    with testing.standalone_model_parallel():
+        layers = [testing.loaded_linear(w.clone()) for w in weights]
+    out = [
+        f"Linear layer with a bfloat16 weight [{N}, {K}] and bfloat16 activations, cold weights; times in µs; "
+        "floor = the bfloat16 weight's bytes / read bandwidth; the model's layer runs "
+        f"{testing.linear_gemm_name(layers[0])} on this CPU",
+        "",
+        row("batch", "torch bf16 F.linear (vLLM's fallback)", "torch, float32 weight", "the model's layer",
+            "compiled linear16", "floor", "linear16 x floor", "linear16 vs F.linear", "vs float32",
+            "vs the model's layer"),
+        row(*["---"] * 10),
+    ]
     F = torch.nn.functional
     for T in batches:
         x = torch.randn(T, K).bfloat16()
         x32 = x.float()
+        check(layers[0](x)[0].float(), F.linear(x32, weights32[0]), f"the model's layer, batch {T}", tol=2e-2)
         t_comp = None
         if ops is not None:
             # float32 tokens, so both outputs are the unrounded float32 sums
@@ -440,10 +460,14 @@ def bench_linear16(N: int, K: int, batches: list[int], bw: float, repeat: int, o
             t_comp = median_time(lambda i: ops.linear16(x, weights[i % n]), repeat)
         t_bf16 = median_time(lambda i: F.linear(x, weights[i % n]), repeat, first=repeat + 1)
         t_f32 = median_time(lambda i: F.linear(x32, weights32[i % n]), repeat, first=2 * (repeat + 1))
+        t_model = median_time(lambda i: layers[i % n](x), repeat, first=3 * (repeat + 1))
         floor = N * K * 2 / bw
-        out.append(row(T, fmt_us(t_bf16), fmt_us(t_f32), fmt_us(t_comp), fmt_us(floor),
-                       f"{t_comp / floor:.1f}" if t_comp else "—", f"{t_bf16 / t_comp:.1f}x" if t_comp else "—",
-                       f"{t_f32 / t_comp:.1f}x" if t_comp else "—"))
+
+        def vs(t):
+            return f"{t / t_comp:.1f}x" if t_comp else "—"
+
+        out.append(row(T, fmt_us(t_bf16), fmt_us(t_f32), fmt_us(t_model), fmt_us(t_comp), fmt_us(floor),
+                       f"{t_comp / floor:.1f}" if t_comp else "—", vs(t_bf16), vs(t_f32), vs(t_model)))
     return out
 
 
@@ -456,6 +480,7 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=8192)
     parser.add_argument("--block", type=int, default=512, help="tokens per cache page (see above)")
     parser.add_argument("--only", choices=["kda", "mla", "indexer", "mhc", "moe", "linear16"], action="append")
+    parser.add_argument(avx2_only.FLAG, action="store_true", help=avx2_only.HELP)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -465,7 +490,8 @@ def main() -> None:
     contexts = [c for c in (16, 64, 256, 1024, 4096, 16384, 65536) if c <= args.max_context]
     only = set(args.only or ["kda", "mla", "indexer", "mhc", "moe", "linear16"])
 
-    print(f"# CPU ops: {kernels.description()}; torch {torch.__version__}, {args.threads} threads; "
+    as_avx2 = avx2_only.describe() if args.as_avx2_cpu else ""
+    print(f"# CPU ops{as_avx2}: {kernels.description()}; torch {torch.__version__}, {args.threads} threads; "
           f"bandwidth: read {read_bw / 1e9:.1f} GB/s, in-place update {update_bw / 1e9:.1f} GB/s (read + write); "
           f"cache pages of {args.block} tokens\n")
     def show(lines: list[str]) -> None:

@@ -71,7 +71,6 @@ from vllm_glm53 import testing  # noqa: E402
 from vllm_glm53.backends.cpu import fp8 as fp8_ops  # noqa: E402
 from vllm_glm53.backends.cpu import kernels  # noqa: E402
 from vllm_glm53.backends.cpu import moe  # noqa: E402
-from vllm_glm53.backends.cpu.linear import runs_on_linear16  # noqa: E402
 from vllm_glm53.quant.fp8_block import quantize_block_fp8  # noqa: E402
 
 BLOCK = (128, 128)
@@ -182,13 +181,6 @@ class Fp8Side:
             total += used * (w13[0].nbytes + s13[0].nbytes + w2[0].nbytes + s2[0].nbytes)
             total += sum(t.nbytes for t in (*entry[2][:2], *entry[3]))
         return total
-
-
-def gemm_name(layer: torch.nn.Module) -> str:
-    """Which GEMM a ``testing.loaded_linear`` layer runs, for the header."""
-    if layer.weight.numel() == 0:
-        return "vLLM's packed GEMM (oneDNN)"
-    return "the compiled linear16" if runs_on_linear16(layer.weight.dtype) else "torch's F.linear (vLLM's fallback)"
 
 
 class Bf16Side:
@@ -368,7 +360,7 @@ def main() -> None:
 
     as_avx2 = avx2_only.describe() if args.as_avx2_cpu else ""
     print(f"# FP8-resident FFN decode step on CPU{as_avx2}: {kernels.description()}; torch {torch.__version__}, "
-          f"{args.threads} threads; bf16 linears on {gemm_name(bf16.layers[0][1])}")
+          f"{args.threads} threads; bf16 linears on {testing.linear_gemm_name(bf16.layers[0][1])}")
     print(f"# {args.layers} layers (1 dense + {args.layers - 1} MoE), {args.experts} experts top-{TOPK} + 1 shared, "
           f"hidden {HIDDEN}, expert intermediate {MOE_INTER}; checkpoint {ckpt_bytes / 2**20:.1f} MiB; "
           f"RSS after load: fp8 {rss_fp8 / 2**20:.1f} MiB ({rss_fp8 / ckpt_bytes:.2f}x checkpoint), "

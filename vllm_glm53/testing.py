@@ -130,6 +130,15 @@ def loaded_linear(weight):
     return layer
 
 
+def linear_gemm_name(layer) -> str:
+    """Which GEMM a :func:`loaded_linear` layer runs on this CPU, for benchmark headers."""
+    from vllm_glm53.backends.cpu.linear import runs_on_linear16
+
+    if layer.weight.numel() == 0:  # vLLM's dispatch moved the weight into its packed oneDNN copy
+        return "vLLM's packed GEMM (oneDNN)"
+    return "the compiled linear16" if runs_on_linear16(layer.weight.dtype) else "torch's F.linear (vLLM's fallback)"
+
+
 class standalone_model_parallel:
     """Context in which vLLM's parallel layers can be built and run outside an engine (unit tests,
     benchmarks): a default ``VllmConfig`` and a gloo process group of ``tp_size`` ranks, torn down on exit.
