@@ -16,15 +16,18 @@ Each load runs in a fresh process (memory freed by an earlier model would be reu
 Memory is that process's anonymous resident set (``RssAnon``: file-backed safetensors pages excluded),
 sampled every millisecond from a thread, counted from just after the model is built; parameters are allocated
 untouched, so the resident set grows to the final size during loading. ``overhead`` = peak - final parameter
-bytes. The best of ``--repeat`` runs per mode is reported; the machine may be shared.
+bytes. Each cell is the median of ``--repeat`` runs per mode (the machine may be shared), and every run's loaded
+parameters are hashed: the two modes must load the same bytes, or the script stops.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -110,9 +113,13 @@ def load_once(path: Path, dtype: str, dequantize_first: bool) -> dict:
             model.load_weights(weights)
             weights = held = None
         seconds = time.perf_counter() - t0
+        digest = hashlib.sha256()
+        for name, param in sorted(model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(param.detach().contiguous().view(torch.uint8).numpy().tobytes())
         config.compilation_config.static_forward_context.clear()
     del model
-    return {"final": final, "peak": sampler.peak - baseline, "seconds": seconds}
+    return {"final": final, "peak": sampler.peak - baseline, "seconds": seconds, "digest": digest.hexdigest()}
 
 
 def child_run(path: Path, dtype: str, dequantize_first: bool) -> dict:
@@ -132,7 +139,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--moe-inter", type=int, default=256)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # one load in this process, JSON out
     parser.add_argument("--first", action="store_true", help=argparse.SUPPRESS)
@@ -158,8 +165,11 @@ def main() -> None:
         rows = {}
         for mode, first in (("streaming (plugin)", False), ("dequantize first", True)):
             runs = [child_run(path, args.dtype, first) for _ in range(args.repeat)]
-            rows[mode] = min(runs, key=lambda r: r["peak"])
-            rows[mode]["seconds"] = min(r["seconds"] for r in runs)
+            rows[mode] = {"final": runs[0]["final"], "digests": {r["digest"] for r in runs},
+                          "peak": statistics.median(r["peak"] for r in runs),
+                          "seconds": statistics.median(r["seconds"] for r in runs)}
+        if len(set.union(*(r["digests"] for r in rows.values()))) != 1:
+            raise SystemExit("the two loads left different parameters; their memory and times would not compare")
 
     final = rows["streaming (plugin)"]["final"]
     print(f"\nFP8 checkpoint: {fmt(on_disk)} on disk; model parameters ({args.dtype}): {fmt(final)}; "

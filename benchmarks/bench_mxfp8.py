@@ -1,6 +1,6 @@
 """Throughput of the block-FP8 -> MXFP8 re-grouping, side by side with its naive form and the memory floor.
 
-    .venv/bin/python benchmarks/bench_mxfp8.py [--rows 4096] [--cols 12288] [--repeat 3] [--threads N]
+    .venv/bin/python benchmarks/bench_mxfp8.py [--rows 4096] [--cols 12288] [--repeat 5] [--threads N]
 
 Rows of the table:
 * ``regroup``: ``vllm_glm53.quant.mxfp8.regroup`` on the full weight (ascend.md §2.4's synthetic checkpoint);
@@ -11,13 +11,16 @@ Rows of the table:
   FP8 weight and one scale byte per 32) would take at this machine's measured copy bandwidth, measured with
   a large ``Tensor.copy_``.
 
-The best of ``--repeat`` runs is reported; the machine may be shared, so expect noise.
+Each time is the median of ``--repeat`` calls (the naive loop: one call); the machine may be shared, so expect
+noise. regroup's output is checked against the naive loop's on the slice the loop runs, and the MXFP8 weight it
+produces against the block-FP8 one (both dequantized) before anything is timed.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 import torch
@@ -26,13 +29,13 @@ from vllm_glm53.quant import mxfp8
 from vllm_glm53.quant.fp8_block import dequantize_block_fp8, quantize_block_fp8
 
 
-def best_time(fn, repeat: int) -> float:
+def median_time(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return statistics.median(times)
 
 
 def copy_bandwidth(nbytes: int, repeat: int) -> float:
@@ -40,7 +43,7 @@ def copy_bandwidth(nbytes: int, repeat: int) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
     dst.copy_(src)
-    return 2 * nbytes / best_time(lambda: dst.copy_(src), repeat)
+    return 2 * nbytes / median_time(lambda: dst.copy_(src), repeat)
 
 
 def naive_regroup(weight: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)):
@@ -87,7 +90,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=12288)
     ap.add_argument("--naive-rows", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
@@ -105,23 +108,27 @@ def main() -> None:
     if not (torch.equal(naive_q.view(torch.uint8), fast_q.view(torch.uint8)) and torch.equal(naive_s, fast_s)):
         raise SystemExit("naive and vectorised regroup disagree; the timings below would compare different work")
 
+    mx_q, mx_s = mxfp8.regroup(q, s)
+    err = (mxfp8.dequantize(mx_q, mx_s) - dequantize_block_fp8(q, s, dtype=torch.float32)).norm()
+    rel = (err / dequantize_block_fp8(q, s, dtype=torch.float32).norm()).item()
+
     rows = []
-    t = best_time(lambda: mxfp8.regroup(q, s), args.repeat)
+    t = median_time(lambda: mxfp8.regroup(q, s), args.repeat)
     rows.append(("regroup", f"{n}x{k}", t, elements / t, moved / t))
-    t_naive = best_time(lambda: naive_regroup(q[: args.naive_rows], s), 1)
+    t_naive = median_time(lambda: naive_regroup(q[: args.naive_rows], s), 1)
     per = t_naive / (args.naive_rows * k)
     t = per * elements
     rows.append(("naive per-group loop (extrapolated)", f"{args.naive_rows}x{k}", t, elements / t, moved / t))
-    mx_q, mx_s = mxfp8.regroup(q, s)
-    t = best_time(lambda: mxfp8.dequantize(mx_q, mx_s), args.repeat)
+    t = median_time(lambda: mxfp8.dequantize(mx_q, mx_s), args.repeat)
     rows.append(("mxfp8.dequantize -> fp32", f"{n}x{k}", t, elements / t, (elements * 5 + mx_s.numel()) / t))
-    t = best_time(lambda: dequantize_block_fp8(q, s, dtype=torch.float32), args.repeat)
+    t = median_time(lambda: dequantize_block_fp8(q, s, dtype=torch.float32), args.repeat)
     rows.append(("dequantize_block_fp8 -> fp32", f"{n}x{k}", t, elements / t, (elements * 5 + s.numel() * 4) / t))
     bw = copy_bandwidth(max(moved, 1 << 28), args.repeat)
     rows.append(("copy floor (same bytes as regroup)", f"{n}x{k}", moved / bw, elements / (moved / bw), bw))
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; weight {n}x{k} block-FP8 "
-          f"({elements / 1e6:.1f} M elements); GB/s counts bytes read + written")
+          f"({elements / 1e6:.1f} M elements); GB/s counts bytes read + written; regroup's MXFP8 weight against the "
+          f"block-FP8 one: relative Frobenius error {rel:.2%}")
     print(f"{'what':38} {'shape':>12} {'time [s]':>10} {'M elem/s':>10} {'GB/s':>8} {'x regroup':>10}")
     t_regroup = rows[0][2]
     for name, shape, t, eps, bps in rows:

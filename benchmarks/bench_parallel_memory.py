@@ -26,7 +26,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 CONFIGS = {
     "tp1": ({}, {}),
-    "pp2": ({"pipeline_parallel_size": 2}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+    # vLLM's default split of the tiny's 5 layers, 0-2 | 3-4, leaves stage 1 no KDA layer to keep prefix-cache state
+    # snapshots for, which the plugin refuses with prefix caching on (see the README's pipeline-parallel notes)
+    "pp2": ({"pipeline_parallel_size": 2, "enable_prefix_caching": False}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
     "tp2": ({"tensor_parallel_size": 2}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
     "tp2-ep": ({"tensor_parallel_size": 2, "enable_expert_parallel": True}, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
 }
@@ -62,8 +64,11 @@ def main() -> None:
         for name in args.configs.split(","):
             engine, env = CONFIGS[name]
             out = Path(tmp) / f"{name}.json"
-            subprocess.run([sys.executable, __file__, "--child", checkpoint, json.dumps(engine), str(out)],
-                           check=True, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.run([sys.executable, __file__, "--child", checkpoint, json.dumps(engine), str(out)],
+                                  env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True)
+            if proc.returncode != 0:
+                sys.exit(f"{name} ({json.dumps(engine)}) failed:\n{proc.stderr[-4000:]}")
             ranks = json.loads(out.read_text())
             for rank, r in enumerate(ranks):
                 rows.append((name, rank, r["total"], r["experts"], r["layers"], r["experts_per_block"]))

@@ -7,7 +7,7 @@ vLLM next to transformers, same weights, same machine.
 1. Tower: ``Glm5NextVisionTower`` (vLLM's parallel layers at TP=1, outside an engine) and transformers'
    ``Glm5NextVisionModel`` on identical weights, a batch of ``--batch`` square images per call (patches as
    the processor lays them out, random values), float32; images/s from the median of ``--repeat`` calls of
-   each, alternated.
+   each, alternated, after checking that both give the same image features.
 2. Time to first token: one prompt with one ``--ttft-size`` image and a short text, one new token, through
    ``vllm.LLM.generate`` (child process, after a warm-up request) and through transformers (its PIL image
    processor, then ``generate``); each the median of ``--ttft-repeat`` requests, a new image every time so
@@ -32,6 +32,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+# vLLM's worker threads bound as the CPU recipe (and make demo) binds them, all cores to the one rank; vLLM's own
+# default (auto) leaves the model one core of two here and the other to the engine core.
+from vllm_glm53.recipes import cpu_bind  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(1))
 
 BENCH_VISION = {"depth": 4, "hidden_size": 256, "num_heads": 4, "intermediate_size": 1024,
                 "projection_intermediate_size": 1024, "initializer_range": 0.05}
@@ -80,8 +86,12 @@ def bench_tower(model_dir: Path, sizes: list[int], batch: int, repeat: int) -> l
             done = [preprocess_image(random_image(size, i), IMAGE_DEFAULTS) for i in range(batch)]
             pixels = torch.from_numpy(np.concatenate([p for p, _ in done]))
             grids = [g for _, g in done]
-            tower(pixels, grids)  # warm-up
-            hf(pixels, grid_thw=torch.tensor(grids))
+            # Warm-up, and the two must compute the same features before their times mean anything.
+            got = tower(pixels, grids)
+            want = hf(pixels, grid_thw=torch.tensor(grids)).pooler_output
+            err = (got - want).abs().max().item()
+            if not err <= 1e-4 * want.abs().max().item():
+                raise SystemExit(f"{size}px: the tower's features differ from transformers' (max {err:.3g})")
             # Alternate the two so that both see the same background load on a shared machine.
             plugin_times, hf_times = [], []
             for _ in range(repeat):
@@ -187,7 +197,8 @@ def main() -> None:
         print(f"{r['size']:>4}x{r['size']:<4} {r['patches']:>8} {r['tokens']:>7} {r['plugin']:>13.2f} "
               f"{r['hf']:>19.2f} {r['plugin'] / r['hf']:>6.2f}")
     print(f"\ntime to first token, one {args.ttft_size}x{args.ttft_size} image + text, preprocessing included "
-          f"(median of {args.ttft_repeat})")
+          f"(median of {args.ttft_repeat}; vLLM's worker on VLLM_CPU_OMP_THREADS_BIND="
+          f"{os.environ['VLLM_CPU_OMP_THREADS_BIND']}, transformers on {args.threads} threads)")
     print(f"{'vLLM + plugin':>20}: {1000 * vllm_s:8.1f} ms")
     print(f"{'transformers':>20}: {1000 * hf_s:8.1f} ms   (ratio {hf_s / vllm_s:.2f}x)")
 

@@ -168,10 +168,13 @@ def test_loaded_linear_runs_the_models_gemm(monkeypatch):
             widened = testing.loaded_linear(weight.clone())
         # (not with the portable build, whose loops are slower than torch's bfloat16 GEMM at decode sizes)
         assert (widened.cpu_linear is linear_ops._cpu_linear) == (linear_ops.kernels.isa() != "portable")
+        assert testing.linear_gemm_name(widened) == ("the compiled linear16" if linear_ops.kernels.isa() != "portable"
+                                                     else "torch's F.linear (vLLM's fallback)")
         _close(widened(x)[0], want, ulps=2)
         monkeypatch.setattr(linear_ops, "native_16bit", lambda d: True)
         native = testing.loaded_linear(weight.clone())
         assert native.cpu_linear is not linear_ops._cpu_linear
+        assert testing.linear_gemm_name(native) != "the compiled linear16"
         _close(native(x)[0], want, ulps=2)
 
 
