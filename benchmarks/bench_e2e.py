@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 import avx2_only  # this directory's (--as-avx2-cpu)
+import binding  # this directory's
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -294,7 +295,7 @@ def table(ours: dict, ref: dict, args) -> str:
                 continue
             if math.isnan(a) or math.isnan(b):  # see measure(): no decode rate left after the prefill's spread
                 unmeasured.append(f"{name}, {n}-token prompts")
-                cells += [f"{a:,.0f} {unit}" if a == a else "—", f"{b:,.0f} {unit}" if b == b else "—", "—"]
+                cells += [f"{v:,.0f} {unit}" if not math.isnan(v) else "—" for v in (a, b)] + ["—"]
                 continue
             ratio = a / b if higher_better else b / a
             cells += [f"{a:,.0f} {unit}", f"{b:,.0f} {unit}", f"{ratio:.1f}x"]
@@ -334,8 +335,6 @@ def main() -> None:
     if args.as_avx2_cpu:
         avx2_only.apply()  # before anything here imports torch; both sides' processes inherit it
 
-    from vllm_glm53.recipes import cpu_bind
-
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             from vllm_glm53.tiny import build_checkpoint, kernel_friendly_overrides
@@ -349,8 +348,7 @@ def main() -> None:
             return
         if args.bind_sweep:
             return bind_sweep(args, sweep_tp)
-        # The binding the CPU recipe uses (each rank its own share of the cores) unless the caller sets one.
-        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_bind(args.tp)
+        bind = binding.as_recipe(args.tp)
         try:
             ours = child(args, "vllm", args.tp, bind)
             ref = child(args, "transformers", args.tp, bind)

@@ -41,11 +41,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
 
-# vLLM's worker threads bound as the CPU recipe (and make demo) binds them, all cores to the one rank; vLLM's own
-# default (auto) leaves the model one core of two here and the other to the engine core.
-from vllm_glm53.recipes import cpu_bind  # noqa: E402
+import binding  # noqa: E402  (this directory's)
 
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(1))
+binding.as_recipe()
 
 NEW_MESSAGE = 64
 DECODE_N1, DECODE_N2 = 2, 34
@@ -163,7 +161,7 @@ def main() -> None:
     base = {"model": str(model), "max_model_len": max_model_len, "budget": args.budget, "vocab": vocab}
 
     print(f"# checkpoint {model}, float32, --max-num-batched-tokens {args.budget}, max_model_len {max_model_len}, "
-          f"VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}; load average {os.getloadavg()[0]:.1f} at start")
+          f"VLLM_CPU_OMP_THREADS_BIND={os.environ[binding.VAR]}; load average {os.getloadavg()[0]:.1f} at start")
     turn = run_child({**base, "kind": "cached_turn", "prefix": args.prefix})
     print(f"\n## Turn 2 of a conversation: {args.prefix}-token first turn, turn 2 = {turn['turn2_tokens']} tokens\n")
     print("| turn 2 | prefix-cache hits (tokens) | time to first token (ms) |\n|---|---:|---:|")

@@ -25,11 +25,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-# vLLM's worker threads bound as the CPU recipe (and make demo) binds them, all cores to the one rank; vLLM's own
-# default (auto) leaves the model one core of two here and the other to the engine core.
-from vllm_glm53.recipes import cpu_bind  # noqa: E402
+import binding  # noqa: E402  (this directory's)
 
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(1))
+binding.as_recipe()
 
 
 def one(model: str, n_spec: int, batch: int, tokens: int, repeat: int) -> dict:
@@ -96,7 +94,7 @@ def main() -> None:
                 rows.append((label, batch, n, r["tok_s"], r["tok_s"] / base["tok_s"], r["accept_len"],
                              r["accept_rate"], f"{batch - differ} of {batch}"))
     print(f"# MTP speculative decoding, tiny float32 checkpoints, {args.tokens} tokens per request, median of "
-          f"{args.repeat} calls, VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}\n")
+          f"{args.repeat} calls, VLLM_CPU_OMP_THREADS_BIND={os.environ[binding.VAR]}\n")
     print(f"| checkpoint | batch | MTP N | tok/s | vs N=0 | mean acceptance length | acceptance rate | "
           f"sequences equal to N=0's |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

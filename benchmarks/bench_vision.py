@@ -33,11 +33,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-# vLLM's worker threads bound as the CPU recipe (and make demo) binds them, all cores to the one rank; vLLM's own
-# default (auto) leaves the model one core of two here and the other to the engine core.
-from vllm_glm53.recipes import cpu_bind  # noqa: E402
+import binding  # noqa: E402  (this directory's)
 
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(1))
+binding.as_recipe()
 
 BENCH_VISION = {"depth": 4, "hidden_size": 256, "num_heads": 4, "intermediate_size": 1024,
                 "projection_intermediate_size": 1024, "initializer_range": 0.05}
@@ -198,7 +196,7 @@ def main() -> None:
               f"{r['hf']:>19.2f} {r['plugin'] / r['hf']:>6.2f}")
     print(f"\ntime to first token, one {args.ttft_size}x{args.ttft_size} image + text, preprocessing included "
           f"(median of {args.ttft_repeat}; vLLM's worker on VLLM_CPU_OMP_THREADS_BIND="
-          f"{os.environ['VLLM_CPU_OMP_THREADS_BIND']}, transformers on {args.threads} threads)")
+          f"{os.environ[binding.VAR]}, transformers on {args.threads} threads)")
     print(f"{'vLLM + plugin':>20}: {1000 * vllm_s:8.1f} ms")
     print(f"{'transformers':>20}: {1000 * hf_s:8.1f} ms   (ratio {hf_s / vllm_s:.2f}x)")
 
