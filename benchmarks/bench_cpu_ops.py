@@ -71,6 +71,10 @@ import avx2_only  # this directory's
 if avx2_only.FLAG in sys.argv:
     avx2_only.apply()
 
+import allocator  # noqa: E402  (this directory's)
+
+allocator.same_as_engine()  # before torch: the script may start over under the engine's allocator
+
 import torch  # noqa: E402
 
 import caches  # noqa: E402
@@ -491,7 +495,7 @@ def main() -> None:
     only = set(args.only or ["kda", "mla", "indexer", "mhc", "moe", "linear16"])
 
     as_avx2 = avx2_only.describe() if args.as_avx2_cpu else ""
-    print(f"# CPU ops{as_avx2}: {kernels.description()}; torch {torch.__version__}, {args.threads} threads; "
+    print(f"# CPU ops{as_avx2}: {kernels.description()}; torch {torch.__version__}, {args.threads} threads, {allocator.describe()}; "
           f"bandwidth: read {read_bw / 1e9:.1f} GB/s, in-place update {update_bw / 1e9:.1f} GB/s (read + write); "
           f"cache pages of {args.block} tokens\n")
     def show(lines: list[str]) -> None:

@@ -55,7 +55,10 @@ import time
 from pathlib import Path
 
 import avx2_only  # this directory's (--as-avx2-cpu)
+import allocator  # this directory's
 import binding  # this directory's
+
+allocator.same_as_engine()  # first: the script may start over under the engine's allocator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -261,7 +264,7 @@ def bind_sweep(args, tp: int | None) -> None:
     split = f"0-{half - 1}|{half}-{n - 1}" if half > 1 else "0|1"
     settings = [(1, "nobind"), (1, "auto"), (1, f"0-{n - 1}"), (1, "0"), (2, split), (2, "nobind"), (2, "auto")]
     settings = [s for s in settings if tp is None or s[0] == tp]
-    print(f"# Thread binding sweep, kernel-friendly tiny checkpoint, {args.dtype}, {n} CPUs (plugin on vLLM only)\n")
+    print(f"# Thread binding sweep, kernel-friendly tiny checkpoint, {args.dtype}, {n} CPUs, {allocator.describe()} (plugin on vLLM only)\n")
     head = [f"decode b{B} tok/s" for B in args.batches]
     print("| TP | VLLM_CPU_OMP_THREADS_BIND | " + " | ".join(head) + " | prefill tok/s | TTFT ms |")
     print("| --- | --- | " + " | ".join("---" for _ in head) + " | --- | --- |")
@@ -361,7 +364,7 @@ def main() -> None:
     print(f"# End to end, kernel-friendly tiny checkpoint, {args.dtype}, {os.cpu_count()} CPUs"
           f"{avx2_only.describe() if args.as_avx2_cpu else ''}, "
           f"VLLM_CPU_OMP_THREADS_BIND={bind} (transformers pinned to cores {cpus_of(bind)}), n1 {args.n1}, "
-          f"n2 {args.n2}, median of {args.repeat}; plugin backends: {kernels.description()}; {agreement}\n")
+          f"n2 {args.n2}, median of {args.repeat}, {allocator.describe()} on both sides; plugin backends: {kernels.description()}; {agreement}\n")
     print(table(ours, ref, args))
     if mismatch:  # after the table, so a long run's numbers are not lost
         sys.exit(f"float32: the plugin and transformers generated different tokens beyond near-ties: {agreement}")

@@ -39,6 +39,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The dequantize-at-load path (what runs without the compiled kernels); with them an FP8 checkpoint stays FP8,
 # measured by bench_fp8_resident.py.
 os.environ["VLLM_GLM53_CPU_KERNELS"] = "0"
+import allocator  # noqa: E402  (this directory's)
+
+allocator.same_as_engine()  # before torch: the script may start over under the engine's allocator
+
 import torch  # noqa: E402
 
 
@@ -175,7 +179,7 @@ def main() -> None:
     print(f"\nFP8 checkpoint: {fmt(on_disk)} on disk; model parameters ({args.dtype}): {fmt(final)}; "
           f"largest FP8 weight dequantized: {fmt(largest * elem)}")
     print(f"hidden {args.hidden}, {args.experts} experts x {args.moe_inter}, torch threads "
-          f"{torch.get_num_threads()}\n")
+          f"{torch.get_num_threads()}, {allocator.describe()}\n")
     print(f"| {'mode':<20} | {'peak (RssAnon)':>14} | {'overhead':>12} | {'peak / final':>12} | {'load time':>9} |")
     print(f"|{'-' * 22}|{'-' * 16}|{'-' * 14}|{'-' * 14}|{'-' * 11}|")
     for mode, r in rows.items():

@@ -64,6 +64,10 @@ import avx2_only  # noqa: E402
 if avx2_only.FLAG in sys.argv:
     avx2_only.apply()
 
+import allocator  # noqa: E402  (this directory's)
+
+allocator.same_as_engine()  # before torch: the script may start over under the engine's allocator
+
 import torch  # noqa: E402
 
 import caches  # noqa: E402
@@ -360,7 +364,7 @@ def main() -> None:
 
     as_avx2 = avx2_only.describe() if args.as_avx2_cpu else ""
     print(f"# FP8-resident FFN decode step on CPU{as_avx2}: {kernels.description()}; torch {torch.__version__}, "
-          f"{args.threads} threads; bf16 linears on {testing.linear_gemm_name(bf16.layers[0][1])}")
+          f"{args.threads} threads, {allocator.describe()}; bf16 linears on {testing.linear_gemm_name(bf16.layers[0][1])}")
     print(f"# {args.layers} layers (1 dense + {args.layers - 1} MoE), {args.experts} experts top-{TOPK} + 1 shared, "
           f"hidden {HIDDEN}, expert intermediate {MOE_INTER}; checkpoint {ckpt_bytes / 2**20:.1f} MiB; "
           f"RSS after load: fp8 {rss_fp8 / 2**20:.1f} MiB ({rss_fp8 / ckpt_bytes:.2f}x checkpoint), "

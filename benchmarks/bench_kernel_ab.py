@@ -34,10 +34,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import allocator  # noqa: E402  (this directory's)
 import caches  # noqa: E402
 from vllm_glm53 import testing  # noqa: E402
 from vllm_glm53.backends.cpu import build, kernels  # noqa: E402
 from vllm_glm53.quant.fp8_block import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
+
+allocator.same_as_engine()  # the script may start over under the engine's allocator
 
 NAMESPACE = "vllm_glm53_base"
 
@@ -114,7 +117,7 @@ def main() -> None:
     short = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], capture_output=True,
                            text=True).stdout.strip()
     print(f"# {kernels.description()}; base {args.base} ({short}) against this tree; {torch.get_num_threads()} "
-          f"threads, caches flushed, medians of {args.repeat}\n")
+          f"threads, {allocator.describe()}, caches flushed, medians of {args.repeat}\n")
     print("| op | tokens | base (ms) | this tree (ms) | base / this tree | outputs: max rel. difference | bfloat16 "
           "weights (ms) | bfloat16 / this tree |")
     print("|---|---|---|---|---|---|---|---|")

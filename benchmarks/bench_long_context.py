@@ -44,6 +44,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
 import binding  # noqa: E402  (this directory's)
 
 binding.as_recipe()
+import allocator  # noqa: E402  (this directory's)
+
+allocator.same_as_engine()  # before torch: the script may start over under the engine's allocator
 
 NEW_MESSAGE = 64
 DECODE_N1, DECODE_N2 = 2, 34
@@ -161,7 +164,7 @@ def main() -> None:
     base = {"model": str(model), "max_model_len": max_model_len, "budget": args.budget, "vocab": vocab}
 
     print(f"# checkpoint {model}, float32, --max-num-batched-tokens {args.budget}, max_model_len {max_model_len}, "
-          f"VLLM_CPU_OMP_THREADS_BIND={os.environ[binding.VAR]}; load average {os.getloadavg()[0]:.1f} at start")
+          f"VLLM_CPU_OMP_THREADS_BIND={os.environ[binding.VAR]}, {allocator.describe()}; load average {os.getloadavg()[0]:.1f} at start")
     turn = run_child({**base, "kind": "cached_turn", "prefix": args.prefix})
     print(f"\n## Turn 2 of a conversation: {args.prefix}-token first turn, turn 2 = {turn['turn2_tokens']} tokens\n")
     print("| turn 2 | prefix-cache hits (tokens) | time to first token (ms) |\n|---|---:|---:|")

@@ -28,6 +28,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import binding  # noqa: E402  (this directory's)
 
 binding.as_recipe()
+import allocator  # noqa: E402  (this directory's)
+
+allocator.same_as_engine()  # before torch: the script may start over under the engine's allocator
 
 
 def one(model: str, n_spec: int, batch: int, tokens: int, repeat: int) -> dict:
@@ -94,7 +97,7 @@ def main() -> None:
                 rows.append((label, batch, n, r["tok_s"], r["tok_s"] / base["tok_s"], r["accept_len"],
                              r["accept_rate"], f"{batch - differ} of {batch}"))
     print(f"# MTP speculative decoding, tiny float32 checkpoints, {args.tokens} tokens per request, median of "
-          f"{args.repeat} calls, VLLM_CPU_OMP_THREADS_BIND={os.environ[binding.VAR]}\n")
+          f"{args.repeat} calls, VLLM_CPU_OMP_THREADS_BIND={os.environ[binding.VAR]}, {allocator.describe()}\n")
     print(f"| checkpoint | batch | MTP N | tok/s | vs N=0 | mean acceptance length | acceptance rate | "
           f"sequences equal to N=0's |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

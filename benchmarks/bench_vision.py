@@ -36,6 +36,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import binding  # noqa: E402  (this directory's)
 
 binding.as_recipe()
+import allocator  # noqa: E402  (this directory's)
+
+allocator.same_as_engine()  # before torch: the script may start over under the engine's allocator
 
 BENCH_VISION = {"depth": 4, "hidden_size": 256, "num_heads": 4, "intermediate_size": 1024,
                 "projection_intermediate_size": 1024, "initializer_range": 0.05}
@@ -196,7 +199,7 @@ def main() -> None:
               f"{r['hf']:>19.2f} {r['plugin'] / r['hf']:>6.2f}")
     print(f"\ntime to first token, one {args.ttft_size}x{args.ttft_size} image + text, preprocessing included "
           f"(median of {args.ttft_repeat}; vLLM's worker on VLLM_CPU_OMP_THREADS_BIND="
-          f"{os.environ[binding.VAR]}, transformers on {args.threads} threads)")
+          f"{os.environ[binding.VAR]}, transformers on {args.threads} threads; {allocator.describe()})")
     print(f"{'vLLM + plugin':>20}: {1000 * vllm_s:8.1f} ms")
     print(f"{'transformers':>20}: {1000 * hf_s:8.1f} ms   (ratio {hf_s / vllm_s:.2f}x)")
 

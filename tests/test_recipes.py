@@ -111,6 +111,7 @@ def test_every_recipe_carries_the_glm_flags_and_the_install_step():
         platform = R.HARDWARE[hardware].platform
         wanted = "pip install 'vllm-glm53[cpu]'" if platform == "cpu" else "pip install vllm-glm53"
         assert wanted in plan.install
+        assert ("apt-get install -y libtcmalloc-minimal4" in plan.install) == (platform == "cpu")
         if "dflash" in recipe.features:  # a recipe with speculative decoding offers MTP too
             assert "mtp" in recipe.features, recipe.id
 

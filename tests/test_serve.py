@@ -48,7 +48,8 @@ def server(tiny_ckpt):
     from conftest import served
 
     path = tiny_ckpt("serve-flat", layout="flat", seed=5)
-    with served(path, ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64")) as server:
+    # LD_PRELOAD as a user's shell has it (an engine config built earlier in this process may have set it).
+    with served(path, ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64"), env={"LD_PRELOAD": ""}) as server:
         yield server
 
 
@@ -82,6 +83,23 @@ def test_the_log_says_which_model_serves(server):
     served = [line for line in server["server"].lines if "GLM-5.3 is served by the plugin's model" in line]
     assert served and all(" INFO " in line for line in served), server["server"].lines[-60:]
     assert any(line.startswith(("(EngineCore", "(Worker")) for line in served), served
+
+
+def test_engine_processes_run_on_tcmalloc(server):
+    """The engine core and its worker start with a tcmalloc preloaded (vllm_glm53/cpu_malloc.py), so vLLM's worker
+    has no missing-libtcmalloc warning to give; the front-end, started without one, keeps glibc's allocator."""
+    import psutil
+
+    from vllm_glm53 import cpu_malloc
+
+    if cpu_malloc.find_tcmalloc() is None:
+        pytest.skip("no tcmalloc on this machine (apt install libtcmalloc-minimal4; make setup does as root)")
+    front = psutil.Process(server["server"].proc.pid)
+    engine = front.children(recursive=True)
+    mapped = {p.pid: "libtcmalloc" in open(f"/proc/{p.pid}/maps").read() for p in [front, *engine]}
+    assert engine and all(mapped[p.pid] for p in engine), mapped
+    assert not mapped[front.pid]
+    assert not [line for line in server["server"].lines if "libtcmalloc is not found in LD_PRELOAD" in line]
 
 
 def test_models_health_metrics(server, client):

