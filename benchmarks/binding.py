@@ -1,7 +1,7 @@
 """The thread binding the benchmarks give vLLM's workers: the caller's ``VLLM_CPU_OMP_THREADS_BIND`` if set, else the
-CPU recipe's (and ``make demo``'s), each tensor-parallel rank its own share of the cores. vLLM's own default
-(``auto``) leaves the model one core of two on a 2-core machine and the other to the engine core, while the
-transformers side of a comparison has both."""
+CPU recipe's (and ``make demo``'s): each tensor-parallel rank its own share of the cores, the last core left to
+vLLM's engine core (``vllm_glm53.recipes.cpu_bind`` says why). A transformers side of a comparison gets all the
+cores in its one process."""
 
 import os
 
