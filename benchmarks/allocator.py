@@ -21,7 +21,5 @@ def describe() -> str:
     """The allocator this process runs on, for a table's header."""
     with open("/proc/self/maps") as f:
         maps = f.read()
-    for name in ("tcmalloc", "jemalloc", "mimalloc"):
-        if f"lib{name}" in maps:
-            return name
-    return "glibc malloc"
+    found = [name for name in cpu_malloc.ALLOCATORS if name in maps]
+    return found[0].removeprefix("lib") if found else "glibc malloc"

@@ -23,12 +23,12 @@ Both sides get the same settings: the same prompts, lengths, n1 / n2 and repeats
 on the same cores. vLLM binds its worker's threads with ``VLLM_CPU_OMP_THREADS_BIND`` (default: the CPU recipe's,
 each rank its own share of the cores but the last, which the engine core gets, see benchmarks/README.md);
 transformers' one process is pinned to all of them with one thread per core (``sched_setaffinity``; ``OMP_PLACES``),
-since vLLM's processes together use them all. Stop tokens are
-masked on both sides (vLLM ``min_tokens``, transformers ``min_new_tokens``), so every call generates exactly its
-token count and the outputs are comparable: the script compares every generated token of the two sides and, in
-float32, fails where the two differ and transformers in float64 prefers transformers' token by 1e-3 nats or more
-(within that, a near-tie float32 rounding breaks either way; a float64 preference for the plugin's token is
-transformers' own float32 departure; both reported with their gaps, see ``compare_tokens``). In bfloat16 the two
+since vLLM's processes together use them all. Stop tokens are masked on both sides (vLLM ``min_tokens``,
+transformers ``min_new_tokens``), so every call generates exactly its token count and the outputs are comparable:
+the script compares every generated token of the two sides and, in float32, fails where the two differ and
+transformers in float64 prefers transformers' token by 1e-3 nats or more (within that, a near-tie float32
+rounding breaks either way; a float64 preference for the plugin's token is transformers' own float32 departure;
+both reported with their gaps, see ``compare_tokens``). In bfloat16 the two
 round differently and choices part early: it reports how many sequences agree and, where each pair first parts,
 how far each side's token lies below the best one of transformers in float64. transformers 5.19 has no
 text-only GLM-5.3 class: it runs ``Glm5NextForConditionalGeneration``, which on text input runs the embedding and
@@ -262,7 +262,8 @@ def bind_sweep(args, tp: int | None) -> None:
     split = f"0-{half - 1}|{half}-{n - 1}" if half > 1 else "0|1"
     settings = [(1, "nobind"), (1, "auto"), (1, f"0-{n - 1}"), (1, "0"), (2, split), (2, "nobind"), (2, "auto")]
     settings = [s for s in settings if tp is None or s[0] == tp]
-    print(f"# Thread binding sweep, kernel-friendly tiny checkpoint, {args.dtype}, {n} CPUs, {allocator.describe()} (plugin on vLLM only)\n")
+    print(f"# Thread binding sweep, kernel-friendly tiny checkpoint, {args.dtype}, {n} CPUs, "
+          f"{allocator.describe()} (plugin on vLLM only)\n")
     head = [f"decode b{B} tok/s" for B in args.batches]
     print("| TP | VLLM_CPU_OMP_THREADS_BIND | " + " | ".join(head) + " | prefill tok/s | TTFT ms |")
     print("| --- | --- | " + " | ".join("---" for _ in head) + " | --- | --- |")
@@ -362,8 +363,8 @@ def main() -> None:
     print(f"# End to end, kernel-friendly tiny checkpoint, {args.dtype}, {os.cpu_count()} CPUs"
           f"{avx2_only.describe() if args.as_avx2_cpu else ''}, "
           f"VLLM_CPU_OMP_THREADS_BIND={bind} (transformers pinned to cores {sorted(os.sched_getaffinity(0))}), "
-          f"n1 {args.n1}, "
-          f"n2 {args.n2}, median of {args.repeat}, {allocator.describe()} on both sides; plugin backends: {kernels.description()}; {agreement}\n")
+          f"n1 {args.n1}, n2 {args.n2}, median of {args.repeat}, {allocator.describe()} on both sides; "
+          f"plugin backends: {kernels.description()}; {agreement}\n")
     print(table(ours, ref, args))
     if mismatch:  # after the table, so a long run's numbers are not lost
         sys.exit(f"float32: the plugin and transformers generated different tokens beyond near-ties: {agreement}")

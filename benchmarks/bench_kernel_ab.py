@@ -29,18 +29,19 @@ import time
 from io import BytesIO
 from pathlib import Path
 
-import torch
+import allocator  # this directory's
+
+allocator.same_as_engine()  # before torch: the script may start over under the engine's allocator
+
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import allocator  # noqa: E402  (this directory's)
 import caches  # noqa: E402
 from vllm_glm53 import testing  # noqa: E402
 from vllm_glm53.backends.cpu import build, kernels  # noqa: E402
 from vllm_glm53.quant.fp8_block import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
-
-allocator.same_as_engine()  # the script may start over under the engine's allocator
 
 NAMESPACE = "vllm_glm53_base"
 

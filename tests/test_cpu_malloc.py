@@ -4,6 +4,10 @@ tests/test_serve.py."""
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
 import pytest
 
 from vllm_glm53 import cpu_malloc
@@ -43,41 +47,30 @@ def test_prepended_to_what_ld_preload_holds_once(clean_env, libdirs):
     clean_env.setenv("LD_PRELOAD", "/opt/libgomp.so.1")
     lib = cpu_malloc.preload_tcmalloc(libdirs)
     assert lib == libdirs[1] + "/libtcmalloc_minimal.so.4"
-    import os
-
     assert os.environ["LD_PRELOAD"] == f"{lib}:/opt/libgomp.so.1"
     assert cpu_malloc.preload_tcmalloc(libdirs) is None  # vLLM builds the config more than once per launch
     assert os.environ["LD_PRELOAD"] == f"{lib}:/opt/libgomp.so.1"
 
 
 def test_set_when_ld_preload_is_empty(clean_env, libdirs):
-    import os
-
     assert cpu_malloc.preload_tcmalloc(libdirs) == os.environ["LD_PRELOAD"] == libdirs[1] + "/libtcmalloc_minimal.so.4"
 
 
 @pytest.mark.parametrize("chosen", ["/usr/lib/libjemalloc.so.2", "/x/libtcmalloc.so.4:/y/libgomp.so",
                                     "/y/libgomp.so:/z/libmimalloc.so.2"])
 def test_an_allocator_the_user_preloads_stays(clean_env, libdirs, chosen):
-    import os
-
     clean_env.setenv("LD_PRELOAD", chosen)
     assert cpu_malloc.preload_tcmalloc(libdirs) is None
     assert os.environ["LD_PRELOAD"] == chosen
 
 
 def test_switched_off(clean_env, libdirs):
-    import os
-
     clean_env.setenv("VLLM_GLM53_CPU_TCMALLOC", "0")
     assert cpu_malloc.preload_tcmalloc(libdirs) is None
     assert "LD_PRELOAD" not in os.environ
 
 
 def test_none_found_warns_once_and_changes_nothing(clean_env, tmp_path, caplog):
-    import logging
-    import os
-
     clean_env.setattr(cpu_malloc, "_warned", [])
     with caplog.at_level(logging.WARNING, logger="vllm_glm53"):
         assert cpu_malloc.preload_tcmalloc([str(tmp_path)]) is None
@@ -89,8 +82,6 @@ def test_none_found_warns_once_and_changes_nothing(clean_env, tmp_path, caplog):
 
 def test_the_default_search_looks_in_the_environments_first(monkeypatch, tmp_path):
     """A conda gperftools (this environment's prefix, then an active conda environment) before the system's."""
-    import sys
-
     for name in ("venv", "conda"):
         (tmp_path / name / "lib").mkdir(parents=True)
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
