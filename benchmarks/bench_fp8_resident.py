@@ -26,20 +26,24 @@ the serving model does:
 A step is every layer's FFN for a batch of tokens with fresh random routing per call (top-8 of the experts,
 distinct per token). Weights of all layers are several times the last-level cache, the caches are flushed before
 each timed step, the two sides never share a weight copy and take their steps in turn (same inputs); medians of
-``--repeat`` steps. Both sides' outputs
+``--repeat`` steps. The heap is frozen after loading, as vLLM's engine freezes it (no full garbage collections
+inside timed steps). Both sides' outputs
 are checked inside the benchmark against the float32 dequantize-then-multiply reference of the same weights.
 
 ``floor`` = weight bytes a step reads (dense and shared weights, the experts the routing used, block scales) /
 copy bandwidth (a ``copy_`` between two buffers far larger than the caches, STREAM convention: read + written
 bytes per second), probed after every round of the batch's timed steps and taken as the median, so that the
 floor is measured at the same moments as the steps (on the shared VMs this is run on, the bandwidth moves by
-up to 2x within minutes; one probe before all batches made the floor ratio follow it). ``fp8 step, weights
-cached``: the same step repeated on one input and routing without flushing, so its weights stay in the last-level
-cache; close to the cold step, the step is bound by the kernels' arithmetic (E4M3 conversion) and per-op
-overheads, not by memory. Only where the step's weights fit that cache (``caches.L3_BYTES``): a step reading more
-streams from memory either way and says nothing, so the column prints "-" (every ``--release-shapes`` batch; the
-tables before 2026-12-04 printed it there and were at times read as arithmetic-bound). ``RSS`` is the growth of the process's
-anonymous resident memory while a side loads (``RssAnon``), against the checkpoint's bytes.
+up to 2x within minutes; one probe before all batches made the floor ratio follow it). An untimed step follows
+each probe: the first step after one ran 1.3-1.4x slower than the rest. ``fp8 step, weights cached``: the same
+step repeated on one input and routing with neither flushes nor probes, so its weights stay in the last-level
+cache: what the kernels' arithmetic and the per-op overheads cost without memory traffic (close to the cold step:
+the step is bound by them, not by memory). Only where the step's weights fit that cache (``caches.L3_BYTES``): a
+step reading more streams from memory either way and says nothing, so the column prints "-" (every
+``--release-shapes`` batch). Earlier versions probed the bandwidth between the "cached" steps too, which
+evicted their weights: that column was a cold step (1.2-1.35 ms against 0.68-0.71 ms cached at batch 1). ``RSS``
+is the growth of the process's anonymous resident memory while a side loads (``RssAnon``), against the
+checkpoint's bytes.
 """
 
 from __future__ import annotations
@@ -267,7 +271,8 @@ def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = 
     host whose memory bandwidth drifts; ``cached``: the same input and routing every step, no flush, so the used
     weights stay in the last-level cache where they fit (the step's time without memory traffic: what the
     kernels' arithmetic and the per-op overheads cost). Also the copy bandwidth, probed once per round of steps
-    (median; the floor's denominator measured at the same moments as the steps, not minutes before them)."""
+    (median; the floor's denominator measured at the same moments as the steps, not minutes before them; 0.0 when
+    ``cached``, whose steps a probe would evict)."""
     gen = torch.Generator().manual_seed(seed)
     inputs = [(torch.randn(T, HIDDEN, generator=gen).to(dtype), make_routing(layers, experts, T, gen))
               for _ in range(repeat + 1)]
@@ -287,8 +292,15 @@ def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = 
             t0 = time.perf_counter()
             sides[s].step(x, routing)
             times[s].append(time.perf_counter() - t0)
+        if cached:
+            continue
         copies.append(copy_seconds())
-    return [statistics.median(t) for t in times], 2 * WORKING_SET / statistics.median(copies)
+        # An untimed step after the probe, of the side the next round starts with: the step right after the probe
+        # ran 1.3-1.4x slower than the others (kernel-friendly config, batch 1: 1.17-1.19 against 0.86 ms; the
+        # same after 25 ms of any other work, flushes or not), and a step in the model follows the layer before it.
+        caches.flush()
+        sides[orders[(i + 1) % len(orders)][0]].step(*inputs[0])
+    return [statistics.median(t) for t in times], 2 * WORKING_SET / statistics.median(copies) if copies else 0.0
 
 
 def check(fp8: Fp8Side, bf16: Bf16Side, layers, experts, T) -> tuple[float, float, float]:
@@ -361,6 +373,9 @@ def main() -> None:
                 bf16 = Bf16Side(f, args.layers, args.experts)
             gc.collect()
             rss_bf16 = rss_anon() - rss0 - rss_fp8
+    # As vLLM's engine does once the model is loaded (freeze_gc_heap): collections of the oldest generation would
+    # otherwise walk torch's and vLLM's objects inside timed steps (8 % of a batch-1 step loop's samples).
+    gc.freeze()
 
     as_avx2 = avx2_only.describe() if args.as_avx2_cpu else ""
     print(f"# FP8-resident FFN decode step on CPU{as_avx2}: {kernels.description()}; torch {torch.__version__}, "
