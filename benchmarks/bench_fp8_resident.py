@@ -31,8 +31,9 @@ inside timed steps). Both sides' outputs
 are checked inside the benchmark against the float32 dequantize-then-multiply reference of the same weights.
 
 ``floor`` = weight bytes a step reads (dense and shared weights, the experts the routing used, block scales) /
-copy bandwidth (a ``copy_`` between two buffers far larger than the caches, STREAM convention: read + written
-bytes per second), probed after every round of the batch's timed steps and taken as the median, so that the
+read bandwidth (a ``sum`` over a buffer far larger than the caches, as bench_cpu_ops.py measures it; a step
+writes next to nothing; earlier versions divided by the copy bandwidth, read + written bytes per second, 0-5 %
+lower on this VM), probed after every round of the batch's timed steps and taken as the median, so that the
 floor is measured at the same moments as the steps (on the shared VMs this is run on, the bandwidth moves by
 up to 2x within minutes; one probe before all batches made the floor ratio follow it). An untimed step follows
 each probe: the first step after one ran 1.3-1.4x slower than the rest. ``fp8 step, weights cached``: the same
@@ -94,17 +95,15 @@ def rss_anon() -> int:
     return 0
 
 
-_COPY: list[torch.Tensor] = []  # source and destination of the bandwidth probe, made once
+_PROBE: list[torch.Tensor] = []  # the buffer the bandwidth probe reads, made once
 
 
-def copy_seconds() -> float:
-    """One ``copy_`` between two buffers far larger than the caches (the bandwidth probe: 2 * WORKING_SET bytes
-    read and written)."""
-    if not _COPY:
-        _COPY.extend([torch.ones(WORKING_SET // 4), torch.empty(WORKING_SET // 4)])
-        _COPY[1].copy_(_COPY[0])  # first touch
+def read_seconds() -> float:
+    """One ``sum`` over WORKING_SET bytes, far more than the caches hold (the bandwidth probe)."""
+    if not _PROBE:
+        _PROBE.append(torch.ones(WORKING_SET // 4))
     t0 = time.perf_counter()
-    _COPY[1].copy_(_COPY[0])
+    _PROBE[0].sum()
     return time.perf_counter() - t0
 
 
@@ -270,7 +269,7 @@ def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = 
     and the sides interleaved step by step (in every order in turn), so that all see the same moments of a
     host whose memory bandwidth drifts; ``cached``: the same input and routing every step, no flush, so the used
     weights stay in the last-level cache where they fit (the step's time without memory traffic: what the
-    kernels' arithmetic and the per-op overheads cost). Also the copy bandwidth, probed once per round of steps
+    kernels' arithmetic and the per-op overheads cost). Also the read bandwidth, probed once per round of steps
     (median; the floor's denominator measured at the same moments as the steps, not minutes before them; 0.0 when
     ``cached``, whose steps a probe would evict)."""
     gen = torch.Generator().manual_seed(seed)
@@ -280,7 +279,7 @@ def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = 
         inputs = [inputs[0]] * (repeat + 1)
     for side in sides:
         side.step(*inputs[0])
-    times, copies = [[] for _ in sides], []
+    times, probes = [[] for _ in sides], []
     # every order of the sides in turn: each side first, and each right after each other as often (with three
     # sides, plain rotations ran this tree's FP8 step after the BF16 one and --base's after this tree's on the same
     # weights and routing, which printed identical kernels 0.96x)
@@ -294,13 +293,13 @@ def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = 
             times[s].append(time.perf_counter() - t0)
         if cached:
             continue
-        copies.append(copy_seconds())
+        probes.append(read_seconds())
         # An untimed step after the probe, of the side the next round starts with: the step right after the probe
         # ran 1.3-1.4x slower than the others (kernel-friendly config, batch 1: 1.17-1.19 against 0.86 ms; the
         # same after 25 ms of any other work, flushes or not), and a step in the model follows the layer before it.
         caches.flush()
         sides[orders[(i + 1) % len(orders)][0]].step(*inputs[0])
-    return [statistics.median(t) for t in times], 2 * WORKING_SET / statistics.median(copies) if copies else 0.0
+    return [statistics.median(t) for t in times], WORKING_SET / statistics.median(probes) if probes else 0.0
 
 
 def check(fp8: Fp8Side, bf16: Bf16Side, layers, experts, T) -> tuple[float, float, float]:
@@ -393,7 +392,7 @@ def main() -> None:
         base = f" | fp8 step on {args.base}'s kernels (ms) | {args.base} / this tree (max rel. difference)"
     print("| batch | bf16 step (ms) | fp8 step (ms) | speed-up | fp8 bytes read (MiB) | fp8 floor (ms) "
           "| fp8 / floor | fp8 step, weights cached (ms) | bf16 floor (ms) | bf16 / floor "
-          "| copy bandwidth during the steps (GB/s, read + write) "
+          "| read bandwidth during the steps (GB/s) "
           f"| max rel. err: fp8 (float32 / bf16 activations) / bf16{base} |")
     print("|---" * (12 + 2 * bool(args.base)) + "|")
     for T in args.batches:
