@@ -209,13 +209,18 @@ def test_kda_varlen_long_strong_decay_matches_recurrence():
     _close(pool[0], want_state, ulps=2)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "column slice", "transposed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("which", ["mixed", "speculative"])
-def test_conv_varlen_matches_torch(dtype, which):
+def test_conv_varlen_matches_torch(dtype, which, layout):
     plan = _mixed_plan() if which == "mixed" else _spec_plan()
     C, K = 37, 4
     gen = _gen(12)
     x = torch.randn(plan.num_tokens, C, generator=gen).to(dtype)
+    if layout == "column slice":  # rows of a wider projection output (row stride above C)
+        x = torch.cat([torch.randn(plan.num_tokens, 5, generator=gen).to(dtype), x], dim=1)[:, 5:]
+    elif layout == "transposed":  # channels not contiguous (the kernel copies them)
+        x = x.t().contiguous().t()
     w = torch.randn(C, K, generator=gen)
     pages = torch.randn(7, C * (K - 1) + 5, generator=gen).to(dtype)
     pool = pages[:, 5:].view(7, C, K - 1)
