@@ -42,7 +42,7 @@ cache: what the kernels' arithmetic and the per-op overheads cost without memory
 the step is bound by them, not by memory). Only where the step's weights fit that cache (``caches.L3_BYTES``): a
 step reading more streams from memory either way and says nothing, so the column prints "-" (every
 ``--release-shapes`` batch). Earlier versions probed the bandwidth between the "cached" steps too, which
-evicted their weights: that column was a cold step (1.2-1.35 ms against 0.68-0.71 ms cached at batch 1). ``RSS``
+evicted their weights: that column was a cold step (1.2-1.35 ms against 0.71-0.85 ms cached at batch 1). ``RSS``
 is the growth of the process's anonymous resident memory while a side loads (``RssAnon``), against the
 checkpoint's bytes.
 """
