@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from kernel_isas import ISA, ops, other_isas, rerun_on
-from vllm_glm53.backends.cpu import build, kda, kernels, mhc, moe
+from vllm_glm53.backends.cpu import build, kda, kernels, mhc, moe, norm
 from vllm_glm53.backends.cpu import linear as linear_ops
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import sparse_mla as mla
-from vllm_glm53.backends.pages import page_views, write_tokens
+from vllm_glm53.backends.pages import page_views
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots
 from vllm_glm53.config import cache_row_size
 
@@ -355,6 +355,41 @@ def test_store_pooled_keys_matches_torch(dtype):
     _close(keys, page_views(want, lead, dI, kp).pooled, ulps=6 if dtype == torch.float32 else 1)
 
 
+@pytest.mark.parametrize("with_keys", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_tokens_identical_to_torch(dtype, with_keys):
+    """The step's writes, over the same mixed batch (padded slots among them) in blocks of 16 that keep two of
+    their four pools' raw inputs (so a prefill chunk writes more pools of a page than it keeps), then a
+    speculative step of 1 + 3 tokens a request (its slots as int32): both forms leave identical pages, bit for
+    bit. float32 rows go into the cache dtype (a bfloat16 cache rounds them as the reference's ``.to`` does); an
+    MLA layer without an indexer passes no key_gate and leaves the raw region alone."""
+    kp, dI, lead, bs = 4, 21, 10, 16
+    gen = _gen(26)
+    row = cache_row_size(lead, dI, kp, block_size=bs)
+    cache, table = _paged(SEQ_LENS, row, bs, dtype, 27, lambda r, S: torch.randn(S, row, generator=gen))
+    assert page_views(cache, lead, dI, kp).raw.shape[1] == 2  # of a page's four pools
+    starts = _batch_meta(Q_LENS)
+    slots = []
+    for r, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
+        pos = torch.arange(SEQ_LENS[r] - (hi - lo), SEQ_LENS[r])
+        slots.append(table[r, pos // bs].long() * bs + pos % bs)
+    spec_slots = torch.cat([table[r, p // bs].long() * bs + p % bs  # each request's last 4 rows rewritten
+                            for r, p in enumerate(torch.arange(max(S - 4, 0), S) for S in SEQ_LENS[:-1])])
+    want, got = cache.clone(), cache.clone()
+    for step, slot_mapping in enumerate([torch.cat(slots), spec_slots]):
+        if step == 0:
+            slot_mapping[[3, starts[6] + 7]] = -1  # padding: a decode and a chunk token
+        slot_mapping = slot_mapping.to(torch.int32 if step else torch.int64)
+        latent = torch.randn(len(slot_mapping), lead, generator=gen)  # float32 whatever the cache dtype
+        key_gate = torch.randn(len(slot_mapping), 2 * dI, generator=gen).to(dtype) if with_keys else None
+        mla.write_tokens.implementation("torch")(page_views(want, lead, dI, kp), slot_mapping, latent, key_gate)
+        mla.write_tokens.implementation("compiled")(page_views(got, lead, dI, kp), slot_mapping, latent, key_gate)
+        assert torch.equal(got, want), f"step {step}"
+    assert not torch.equal(want, cache)
+    raw = page_views(want, lead, dI, kp).raw
+    assert torch.equal(raw, page_views(cache, lead, dI, kp).raw) != with_keys
+
+
 @pytest.mark.parametrize("integer_valued", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_select_batch_identical_to_torch(integer_valued, dtype):
@@ -385,7 +420,8 @@ def test_select_batch_identical_to_torch(integer_valued, dtype):
     plan = _latent_plan(Q_LENS, SEQ_LENS, table)
     pages = page_views(cache, lead, dI, kp)
     ix.store_pooled_keys.implementation("torch")(pages, prompts, key_gate, ape)
-    write_tokens(pages, prompts.slot_mapping, torch.zeros(prompts.num_tokens, lead), key_gate)
+    mla.write_tokens.implementation("torch")(pages, prompts.slot_mapping, torch.zeros(prompts.num_tokens, lead),
+                                             key_gate)
     args = (q, w, pages.pooled, plan, topk, kp)
     want = ix.select_batch.implementation("torch")(*args)
     got = ix.select_batch.implementation("compiled")(*args)
@@ -468,6 +504,28 @@ def test_mhc_rms_norm_matches_torch(dtype, n, D):
     padded = torch.randn(5, n, D + 7, generator=_gen(41)).to(dtype)[..., 3 : 3 + D]  # strided streams
     # measured (ulps of max|reference|, avx2 / portable): 1.0 / 1.0
     _close(ops.mhc_rms_norm(padded, NORM_EPS), mhc.mhc_rms_norm_torch(padded, NORM_EPS), ulps=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [7, 40, 512])
+def test_rms_norm_matches_torch(dtype, D):
+    """The layers' RMSNorm: random rows (a batch, a column slice of wider rows, a 3-D tensor like the vision
+    tower's per-head norms) agree to the rounding of the statistic; rows of small integers, whose sums of squares
+    are exact in any order, give the reference's values bit for bit, the 16-bit roundings of the normalised value
+    and of the weighted product included."""
+    gen = _gen(45)
+    weight = (torch.randn(D, generator=gen) + 1).to(dtype)
+    batch = (torch.randn(9, D, generator=gen) * 3).to(dtype)
+    wide = torch.randn(9, D + 5, generator=gen).to(dtype)[:, 2 : 2 + D]
+    heads = torch.randn(3, 4, D, generator=gen).to(dtype)
+    for x in (batch, wide, heads):
+        got, want = ops.rms_norm(x, weight, NORM_EPS), norm.rms_norm_torch(x, weight, NORM_EPS)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        # measured (ulps of max|reference|, avx2 / portable): float32 1.2 / 1.2, 16-bit 0 / 0
+        _close(got, want, ulps=4)
+    exact = torch.randint(-3, 4, (9, D), generator=gen).to(dtype)
+    exact[4] = 0  # a zero row: 1 / sqrt(eps) times zeros
+    assert torch.equal(ops.rms_norm(exact, weight, NORM_EPS), norm.rms_norm_torch(exact, weight, NORM_EPS))
 
 
 @pytest.mark.parametrize("T", [1, 3, 17, 64])

@@ -82,7 +82,7 @@ from vllm_glm53.backends.cpu import sparse_mla as mla_cpu  # noqa: E402
 from vllm_glm53.backends.cuda import indexer as ix_gpu  # noqa: E402
 from vllm_glm53.backends.cuda import kda as kda_gpu  # noqa: E402
 from vllm_glm53.backends.cuda import sparse_mla as mla_gpu  # noqa: E402
-from vllm_glm53.backends.pages import page_views, write_tokens  # noqa: E402
+from vllm_glm53.backends.pages import page_views, write_tokens_torch  # noqa: E402
 from vllm_glm53.backends.plans import LatentCachePlan, StateSlots  # noqa: E402
 from vllm_glm53.config import cache_row_size  # noqa: E402
 
@@ -450,7 +450,7 @@ def test_indexer_select_batch_paged():
     T = sum(q_lens)
     ape, q, w = randn(KP, dI, g=g), randn(T, NI, dI, g=g), randn(T, NI, g=g)
     ix_cpu.store_pooled_keys(pages, prompts, rows[:, L:], ape)  # the prompts were stored
-    write_tokens(pages, prompts.slot_mapping, rows[:, :L], rows[:, L:])
+    write_tokens_torch(pages, prompts.slot_mapping, rows[:, :L], rows[:, L:])
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)

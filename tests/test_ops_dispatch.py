@@ -21,7 +21,7 @@ from vllm_glm53.backends import dispatch
 from vllm_glm53.backends.dispatch import Op
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_glm53" / "backends"
-FAMILIES = ["kda", "indexer", "sparse_mla", "mhc", "moe"]
+FAMILIES = ["kda", "indexer", "sparse_mla", "mhc", "moe", "norm"]
 
 
 def _interface(path: Path) -> dict[str, tuple[list[str], bool]]:

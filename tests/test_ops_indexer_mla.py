@@ -8,7 +8,7 @@ import torch
 import hf_ref
 from vllm_glm53.backends.cpu import indexer as ix
 from vllm_glm53.backends.cpu import sparse_mla as mla
-from vllm_glm53.backends.pages import page_views, raw_pools, raw_pools_needed, write_tokens
+from vllm_glm53.backends.pages import page_views, raw_pools, raw_pools_needed
 from vllm_glm53.backends.plans import LatentCachePlan
 from vllm_glm53.config import cache_row_size
 
@@ -129,7 +129,7 @@ ROW = cache_row_size(LEAD, DI, KP, block_size=BLOCK)  # raw inputs of two pools 
 
 class PagedSequences:
     """Requests' tokens in shuffled blocks of a paged cache, written step by step as the layer writes them
-    (the store op, then :func:`write_tokens`), and a plain mirror of what the pages must then show: every stored
+    (the store op, then the write op), and a plain mirror of what the pages must then show: every stored
     token's latent, and for every stored pool-completing token its pool's key, :func:`kpool_compress_torch` of the
     raw inputs the pool's positions last had, read position by position (the completing token's from the step).
     Where the pages keep the raw inputs is theirs to decide; that they kept the right ones shows in the keys of
@@ -186,11 +186,12 @@ class PagedSequences:
             self.mirror.pooled[blk, pool] = ix.kpool_compress_torch(inputs[:, :DI], inputs[:, DI:], self.ape)[0]
         return plan, latent, key_gate
 
-    def layer_step(self, store, spans, unstored=()):
-        """One step as the layer takes it (model/mla.py): the store op, then the writes."""
+    def layer_step(self, impl, spans, unstored=()):
+        """One step as the layer takes it (model/mla.py): the store op, then the writes, each as ``impl`` gives
+        it."""
         plan, latent, key_gate = self.step(spans, unstored)
-        store(self.pages, plan, key_gate, self.ape)
-        write_tokens(self.pages, plan.slot_mapping, latent, key_gate)
+        impl(ix.store_pooled_keys)(self.pages, plan, key_gate, self.ape)
+        impl(mla.write_tokens)(self.pages, plan.slot_mapping, latent, key_gate)
         return plan, key_gate
 
     def assert_pages_match(self):
@@ -200,7 +201,7 @@ class PagedSequences:
         assert torch.equal(self.cache[unowned], self.expected[unowned])
 
 
-def test_pages_keep_two_pools_of_raw_inputs():
+def test_pages_keep_two_pools_of_raw_inputs(impl):
     """The smallest page the backend accepts keeps the raw inputs of the pools a 3- or 4-draft step may leave
     incomplete; the row vLLM is told covers that at every larger block size too."""
     L, dI, kp = 512, 128, 4
@@ -214,7 +215,7 @@ def test_pages_keep_two_pools_of_raw_inputs():
     # here are its position)
     pages = page_views(torch.zeros(1, BLOCK, ROW), LEAD, DI, KP)
     inputs = torch.arange(float(BLOCK)).unsqueeze(1).expand(-1, 2 * DI)
-    write_tokens(pages, torch.arange(BLOCK), torch.zeros(BLOCK, LEAD), inputs)
+    impl(mla.write_tokens)(pages, torch.arange(BLOCK), torch.zeros(BLOCK, LEAD), inputs)
     assert pages.raw[0, :, :, 0].tolist() == [[8, 9, 10], [12, 13, 14]]
 
 
@@ -224,7 +225,6 @@ def test_store_pooled_keys_where_pools_complete(impl):
     request with no tokens in a step, and a chunk that finishes a pool begun in the previous one and then writes
     more pools of the same page than it keeps raw inputs for: after every step each page shows the plain
     mirror's latents and pooled keys."""
-    store = impl(ix.store_pooled_keys)
     seqs = PagedSequences(n_requests=4, max_len=40, block_size=BLOCK, seed=11)
     steps = [
         ([(0, 0, 10), (1, 0, 3)], ()),                   # prefill chunk: pools 0, 1 complete, pool 2 straddles
@@ -237,22 +237,21 @@ def test_store_pooled_keys_where_pools_complete(impl):
         ([(2, 23, 4), (0, 24, 1)], ()),                  # request 2's pool 5 from the previous step's three rows
     ]
     for spans, unstored in steps:
-        seqs.layer_step(store, spans, unstored)
+        seqs.layer_step(impl, spans, unstored)
         seqs.assert_pages_match()
 
 
 def test_speculative_steps_keep_the_inputs_of_rejected_pools(impl):
     """Verification steps of 1 + 3 and 1 + 4 drafts (the most a page of two raw slots takes) crossing pool edges,
     rejected in every way, over many steps and pages: each pool's key is the one its accepted tokens give."""
-    store = impl(ix.store_pooled_keys)
     seqs = PagedSequences(n_requests=2, max_len=64, block_size=BLOCK, seed=14)
     gen = torch.Generator().manual_seed(15)
-    seqs.layer_step(store, [(0, 0, 3), (1, 0, 6)])
+    seqs.layer_step(impl, [(0, 0, 3), (1, 0, 6)])
     accepted = [3, 6]
     assert raw_pools_needed(KP, KP) == seqs.pages.raw.shape[1]
     while max(accepted) < 56:
         n = 4 + int(torch.randint(0, 2, (1,), generator=gen))
-        seqs.layer_step(store, [(r, c, n) for r, c in enumerate(accepted)])
+        seqs.layer_step(impl, [(r, c, n) for r, c in enumerate(accepted)])
         seqs.assert_pages_match()
         accepted = [c + int(torch.randint(1, n + 1, (1,), generator=gen)) for c in accepted]
 
@@ -263,7 +262,7 @@ def test_selection_reads_the_pooled_keys(impl):
     topk, nI = 8, 5  # a group of four heads and one more in the compiled scoring
     lengths, q_lens = [45, 11, 38, 27], [1, 1, 9, 27]
     seqs = PagedSequences(n_requests=len(lengths), max_len=max(lengths), block_size=BLOCK, seed=12)
-    seqs.layer_step(impl(ix.store_pooled_keys), [(r, 0, n) for r, n in enumerate(lengths)])  # the whole prompts
+    seqs.layer_step(impl, [(r, 0, n) for r, n in enumerate(lengths)])  # the whole prompts
     gen = torch.Generator().manual_seed(13)
     T = sum(q_lens)
     q, w = torch.randn(T, nI, DI, generator=gen), torch.randn(T, nI, generator=gen)

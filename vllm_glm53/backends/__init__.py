@@ -1,5 +1,5 @@
-"""The op layer of GLM-5.3-Flash: the op families (KDA, lightning indexer, sparse MLA, mHC, routed experts), the
-step plans they read, and the two attention backends vLLM sees.
+"""The op layer of GLM-5.3-Flash: the op families (KDA, lightning indexer, sparse MLA, mHC, routed experts, RMSNorm),
+the step plans they read, and the two attention backends vLLM sees.
 
 Three words, each with one meaning here:
 
@@ -15,9 +15,10 @@ Three words, each with one meaning here:
     (KDA state over vLLM's GDN metadata). Each builds one step plan per step (:mod:`.plans`) that every layer's
     ops read.
 
-Layers use ``kda_ops``, ``indexer_ops``, ``mla_ops``, ``mhc_ops`` and ``moe_ops``. Each is resolved on first use
-(importing this package costs nothing) from the platform vLLM runs on; a GPU family whose packages are missing falls
-back to ``cpu`` with a warning, family by family (no fla-core: KDA on torch, indexer and MLA still on Triton).
+Layers use ``kda_ops``, ``indexer_ops``, ``mla_ops``, ``mhc_ops``, ``moe_ops`` and ``norm_ops``. Each is resolved on
+first use (importing this package costs nothing) from the platform vLLM runs on; a GPU family whose packages are
+missing falls back to ``cpu`` with a warning, family by family (no fla-core: KDA on torch, indexer and MLA still
+on Triton).
 ``VLLM_GLM53_BACKEND=cpu|cuda`` overrides the platform.
 """
 
@@ -31,11 +32,11 @@ logger = logging.getLogger(__name__)
 
 # Attribute the layers use -> module name inside each platform sub-package.
 _FAMILIES = {"kda_ops": "kda", "indexer_ops": "indexer", "mla_ops": "sparse_mla", "mhc_ops": "mhc",
-             "moe_ops": "moe"}
+             "moe_ops": "moe", "norm_ops": "norm"}
 # Platform (as vLLM names it) -> backend sub-package. Triton and fla-core serve NVIDIA and AMD GPUs alike.
 _PACKAGES = {"cuda": "cuda", "rocm": "cuda", "cpu": "cpu"}
 
-__all__ = ["indexer_ops", "kda_ops", "mhc_ops", "mla_ops", "moe_ops", "load_family", "platform_of"]
+__all__ = ["indexer_ops", "kda_ops", "mhc_ops", "mla_ops", "moe_ops", "norm_ops", "load_family", "platform_of"]
 
 
 def _platform() -> str:
@@ -57,9 +58,9 @@ def _platform() -> str:
 
 
 def load_family(family: str, platform: str | None = None) -> ModuleType:
-    """The module implementing ``family`` (``kda``, ``indexer``, ``sparse_mla``, ``mhc`` or ``moe``) on ``platform``
-    (default: the current one). A GPU family whose packages are not importable gives the CPU module, with a
-    warning."""
+    """The module implementing ``family`` (``kda``, ``indexer``, ``sparse_mla``, ``mhc``, ``moe`` or ``norm``) on
+    ``platform`` (default: the current one). A GPU family whose packages are not importable gives the CPU module,
+    with a warning."""
     package = _PACKAGES.get(platform or _platform(), "cpu")
     if package != "cpu":
         try:

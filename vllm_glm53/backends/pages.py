@@ -10,7 +10,7 @@ import torch
 from vllm_glm53.config import MIN_CACHE_BLOCK
 
 __all__ = ["LatentPages", "cache_rows", "raw_pools", "raw_pools_needed", "page_views", "fresh_pages",
-           "write_tokens"]
+           "write_tokens_torch"]
 
 
 def cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -81,8 +81,8 @@ def fresh_pages(num_tokens: int, row_size: int, latent_dim: int, index_dim: int,
     return page_views(torch.zeros(1, bs, row_size, dtype=dtype, device=device), latent_dim, index_dim, kp)
 
 
-def write_tokens(pages: LatentPages, slot_mapping: torch.Tensor, latent: torch.Tensor,
-                 key_gate: torch.Tensor | None) -> None:
+def write_tokens_torch(pages: LatentPages, slot_mapping: torch.Tensor, latent: torch.Tensor,
+                       key_gate: torch.Tensor | None) -> None:
     """Store the step's tokens at cache slots ``slot_mapping [T]`` (slot = block * block_size + offset; -1:
     padding, not stored): ``latent [T, L]`` in the latent region and, for an indexer layer, ``key_gate [T, 2 dI]``
     (raw key, then gate logits) in the raw region for the tokens that do not complete their pool (offset % kp <

@@ -33,7 +33,7 @@ from vllm_glm53._vllm import (
 from vllm_glm53.backends import indexer_ops, mla_ops
 from vllm_glm53.backends.cpu.indexer import index_width
 from vllm_glm53.backends.latent_cache import LatentCacheBackend
-from vllm_glm53.backends.pages import fresh_pages, page_views, raw_pools, raw_pools_needed, write_tokens
+from vllm_glm53.backends.pages import fresh_pages, page_views, raw_pools, raw_pools_needed
 from vllm_glm53.backends.plans import LatentCachePlan
 from vllm_glm53.config import MIN_CACHE_BLOCK, TextArch
 from vllm_glm53.model.layer_ops import forward_layer, register_layer_op
@@ -199,7 +199,7 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
         n = plan.num_tokens
         if self.indexer is not None:  # before the writes, which may reuse the raw slots of the pools it completes
             indexer_ops.store_pooled_keys(pages, plan, key_gate[:n], self.indexer.index_kpool_compress_ape)
-        write_tokens(pages, plan.slot_mapping, latent[:n], None if key_gate is None else key_gate[:n])
+        mla_ops.write_tokens(pages, plan.slot_mapping, latent[:n], None if key_gate is None else key_gate[:n])
         if self.indexer is not None:
             selection = indexer_ops.select_batch(q_idx[:n], w_idx[:n], pages.pooled, plan, a.index_topk, kp)
         else:

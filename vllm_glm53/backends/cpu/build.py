@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-SOURCES = ("registration.cpp", "kda.cpp", "indexer.cpp", "sparse_mla.cpp", "mhc.cpp", "moe.cpp", "linear.cpp")
+SOURCES = ("registration.cpp", "kda.cpp", "indexer.cpp", "sparse_mla.cpp", "mhc.cpp", "moe.cpp", "linear.cpp",
+           "norm.cpp")
 HEADERS = ("vec.h", "common.h", "gemv.h")
 
 # Per instruction set, best first: the /proc/cpuinfo flags a CPU needs to run it and the compiler flags that make
@@ -109,7 +110,8 @@ def _compile_commands(isa: str, src: Path, out_dir: Path, out: Path,
     ]
     cflags += [f"-I{p}" for p in cpp_extension.include_paths()]
     objects, compiles = [], []
-    for name in SOURCES:
+    # (source_dir() checked that this tree's csrc/ has them all; an older revision's copy may have fewer files)
+    for name in (name for name in SOURCES if (src / name).is_file()):
         obj = out_dir / (name + ".o")
         compiles.append([cxx, *cflags, "-c", str(src / name), "-o", str(obj)])
         objects.append(str(obj))

@@ -19,9 +19,9 @@ Pooled keys in the cache (page layout: :mod:`vllm_glm53.backends.latent_cache`).
 indexer key and gate logits of the first kp - 1 tokens of the pools still being written. When a step writes a
 pool's last token, :data:`store_pooled_keys` compresses the pool from its tokens' raw inputs (those written by
 this step from the step's values, earlier ones from the page) and stores ``K_p`` (in the cache dtype); then
-:func:`~vllm_glm53.backends.pages.write_tokens` stores the step's raw inputs of the last pools it writes in each
-page. Selection reads one pooled key per complete pool, a block's keys as one stream. No state outside the pages
-is needed, and every way a page can be read stays correct:
+:data:`~vllm_glm53.backends.cpu.sparse_mla.write_tokens` stores the step's raw inputs of the last pools it
+writes in each page. Selection reads one pooled key per complete pool, a block's keys as one stream. No state
+outside the pages is needed, and every way a page can be read stays correct:
 
   * a pool that completes in a later step or prefill chunk than it started in is compressed from the inputs of
     its earlier tokens, kept in the page: the step that started it wrote them into the pool's raw slot, and a
