@@ -30,7 +30,7 @@ import triton.language as tl
 
 from vllm_glm53.backends.cpu.sparse_mla import absorb_q, apply_uv, split_kv_b
 from vllm_glm53.backends.dispatch import Op
-from vllm_glm53.backends.pages import write_tokens_torch as write_tokens  # indexing ops, asynchronous on a GPU
+from vllm_glm53.backends.pages import write_tokens_torch as write_tokens  # the torch form (indexing kernels)
 from vllm_glm53.backends.plans import LatentCachePlan
 
 __all__ = ["split_kv_b", "absorb_q", "apply_uv", "sparse_latent_attention", "sparse_latent_attention_paged",
