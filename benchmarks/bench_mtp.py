@@ -179,7 +179,8 @@ def main() -> None:
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
     for _ in range(args.starts):
         for label, ckpt, batch, n in configs:
-            runs[(label, ckpt, batch, n)].append(_run(args, "--repeat", str(args.repeat), "--one", f"{ckpt},{n},{batch}"))
+            runs[(label, ckpt, batch, n)].append(
+                _run(args, "--repeat", str(args.repeat), "--one", f"{ckpt},{n},{batch}"))
     rows = []
     for label, ckpt, batch, n in configs:
         mine, base = runs[(label, ckpt, batch, n)], runs[(label, ckpt, batch, args.spec[0])]

@@ -6,6 +6,12 @@
 
 #include "vec.h"
 
+// at::parallel_for's grain for loops over tokens (rows) of ``values_per_token`` values each: splitting fewer than
+// 2^15 values a thread over threads costs more than it saves.
+inline int64_t token_grain(int64_t values_per_token) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / values_per_token);
+}
+
 // Runs the lambda with ``scalar_t`` bound to the C++ type of a float32 / bfloat16 / float16 tensor (the dtypes
 // vec.h loads); anything else is an error naming ``what``.
 #define GLM53_DISPATCH_FLOAT_TYPES(dtype, what, ...)                                              \

@@ -21,10 +21,6 @@ namespace glm53 {
 namespace {
 
 constexpr int64_t kMaxStreams = 16;
-// Stream values per thread below which splitting tokens over threads costs more than it saves.
-constexpr int64_t kValuesPerTask = 1 << 15;
-
-int64_t token_grain(int64_t values_per_token) { return std::max<int64_t>(1, kValuesPerTask / values_per_token); }
 
 at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 

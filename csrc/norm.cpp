@@ -17,9 +17,6 @@
 namespace glm53 {
 namespace {
 
-// Row values per thread below which splitting rows over threads costs more than it saves.
-constexpr int64_t kValuesPerTask = 1 << 15;
-
 // v rounded to T's precision and widened again (nothing for float32), as the reference's .to(x.dtype).
 template <typename T>
 inline F16 round_as(F16 v) {
@@ -52,7 +49,7 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& weight_, double eps_
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, std::max<int64_t>(1, kValuesPerTask / D), [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, T, token_grain(D), [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const scalar_t* xt = xp + t * xs;
         scalar_t* ot = op + t * D;

@@ -205,14 +205,14 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
   return out.to(q_lat.scalar_type());
 }
 
-// The step's cache writes (the contract of vllm_glm53/backends/pages.py's write_tokens, the reference): token t's
+// The step's cache writes (the contract of vllm_glm53/backends/pages.py's write_tokens_torch, the reference): token t's
 // latent row into latent_pages [blocks, block_size, L] at slot_mapping[t] (block * block_size + offset; -1: not
 // stored) and, given key_gate [T, 2 dI], its raw indexer inputs into raw [blocks, raw_pools, kp - 1, 2 dI] where a
 // later step may still read them: offset % kp < kp - 1 (the pool's last token is compressed, never read raw) and
 // the pool among the last raw_pools pools the step writes in its page. A page being written belongs to one
 // request, whose tokens are consecutive in the batch, so the last pool of a run of tokens in one block is the
 // page's. Rows are copied as they are: the caller converts them to the cache dtype. One call instead of the
-// reference's ~20 tensor ops: a decode step's writes took 55 us of Python there, about 2 here.
+// reference's ~20 tensor ops: a decode step's writes took 55 us there, 3.3 us here through the op dispatch.
 void write_tokens(at::Tensor& latent_pages, at::Tensor& raw, const at::Tensor& slot_mapping,
                   const at::Tensor& latent_, const std::optional<at::Tensor>& key_gate_) {
   const char* what = "write_tokens";

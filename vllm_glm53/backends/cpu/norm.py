@@ -1,6 +1,6 @@
-"""RMSNorm with transformers' rounding (the layer: :class:`vllm_glm53.model.norm.RMSNorm`): the statistic in
-float32, the normalised value cast back to the input dtype before the weight multiplies it. vLLM's fused RMSNorm
-multiplies in float32, which in bfloat16 gives other last bits; parity with the reference matters more here.
+"""The arithmetic of the layers' RMSNorm (:class:`vllm_glm53.model.norm.RMSNorm`, which says why it keeps
+transformers' rounding): the statistic in float32, the normalised value cast back to the input dtype before the
+weight multiplies it.
 
 :data:`rms_norm` is an :class:`~vllm_glm53.backends.dispatch.Op`: the ``compiled`` kernel (csrc/norm.cpp, one pass
 per row) when the kernels are loaded and the weight has the input's dtype, else :func:`rms_norm_torch`, the
