@@ -129,7 +129,8 @@ def hf_model(path, dtype="float32"):
     from transformers import Glm5NextForConditionalGeneration
 
     cfg = json.loads((Path(path) / "config.json").read_text())
-    kwargs = {}
+    # transformers' grouped expert GEMM has no float64 form; its per-expert loop does the same products
+    kwargs = {"experts_implementation": "eager"} if dtype == "float64" else {}
     if "text_config" not in cfg:
         kwargs["key_mapping"] = {r"^model\.(?!language_model\.|visual\.)": "model.language_model."}
     model = Glm5NextForConditionalGeneration.from_pretrained(str(path), dtype=getattr(torch, dtype), **kwargs)

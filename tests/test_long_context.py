@@ -47,7 +47,7 @@ pytestmark = pytest.mark.engine
 BATCH_K4 = ([100, 3000, 700], [24, 4, 8])
 BATCH_K2 = ([130, 1500, 900], [20, 4, 8])
 LOGPROB_ATOL = 2e-4  # float32 summation order only (test_model_parity measures ~1e-5)
-NEAR_TIE_POSITIONS, NEAR_TIE_ATOL = 0.005, 0.02  # prompt positions where a near-tied pool selection may flip
+NEAR_TIE_POSITIONS, NEAR_TIE_ATOL = 0.01, 0.03  # prompt positions where a near-tied pool selection may flip
 CONVERSATION_TURNS = (600, 150, 150)  # tokens of each new message
 CONVERSATION_REPLY = 6
 ENGINE = {"max_model_len": 4096, "max_num_seqs": 3}
@@ -69,28 +69,35 @@ def assert_matches(got, want, what, atol=LOGPROB_ATOL):
 
 
 def assert_matches_transformers(path, prompts, got, what, atol=LOGPROB_ATOL):
-    """Every prompt position's logprob and every generated token (greedy choice and logprob) against transformers
-    teacher-forced on prompt + the engine's tokens."""
+    """Every prompt position's logprob against transformers teacher-forced on prompt + the engine's tokens in float64
+    (the exact computation), and every generated token (greedy choice and logprob) against the same in float32."""
     import torch
 
-    model = hf_model(path)
+    models = {dtype: hf_model(path, dtype) for dtype in ("float32", "float64")}
     for i, (prompt, g) in enumerate(zip(prompts, got)):
         seq = prompt + g["token_ids"]
         with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
-        want_prompt = [ref[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
-        assert len(g["prompt_logprobs"]) == len(want_prompt)
-        diffs = [abs(lp - w) for (lp, _), w in zip(g["prompt_logprobs"], want_prompt)]
-        off = sorted(((d, j + 1) for j, d in enumerate(diffs) if d >= atol), reverse=True)
-        print(f"{what}, prompt {i}: {len(off)} of {len(diffs)} prompt positions off by >= {atol}: {off[:5]}")
+            ref, exact = (torch.log_softmax(m(torch.tensor([seq])).logits[0].double(), -1) for m in models.values())
+
+        def off_positions(logprobs):
+            diffs = [abs(lp - exact[j - 1, prompt[j]].item()) for j, lp in enumerate(logprobs, start=1)]
+            return sorted(((d, j + 1) for j, d in enumerate(diffs) if d >= atol), reverse=True)
+
+        assert len(g["prompt_logprobs"]) == len(prompt) - 1
+        off = off_positions([lp for lp, _ in g["prompt_logprobs"]])
+        ref_off = off_positions([ref[j - 1, prompt[j]].item() for j in range(1, len(prompt))])
+        print(f"{what}, prompt {i}: {len(off)} of {len(prompt) - 1} prompt positions off the float64 result by >= "
+              f"{atol}: {off[:5]} (transformers' float32: {len(ref_off)}: {ref_off[:5]})")
         # Near-ties: the indexer keeps the best index_topk // kpool pools by score, and float32 summation order
         # (chunks of 32 vs one pass, in the KDA recurrence as in the scores) can swap two pools whose scores agree
-        # to ~1e-6. Such a swap moves one position by a few 1e-3 (measured, budget 32, 3,000-token prompt: 6 of
-        # 2,999 positions, all past position 2,600, at most 0.0037; none in the shorter prompts). transformers itself
-        # run in float32 vs float64 differs on that prompt at 10 positions past 2,500, by up to 0.0078, two of them
-        # the plugin's (2,669 and 2,724, by the same amounts). A chunk-edge bug moves positions after the edge by
-        # tenths (see the module docstring).
-        assert len(off) <= NEAR_TIE_POSITIONS * len(diffs) and (not off or off[0][0] < NEAR_TIE_ATOL), (
+        # to ~1e-6; such a swap moves one position by up to ~0.02. transformers' own float32 forward does it too, at
+        # positions of its own, so the prompt is judged against float64. Measured, budget 32, 3,000-token prompt
+        # (none in the shorter prompts): an Intel Xeon (AVX-512, AMX), 10 of 2,999 positions, all past 2,300, at
+        # most 0.0161, transformers' float32 11 by up to 0.0161 (the same 0.0161 at position 2,321: both float32
+        # runs round that tie the same way), the plugin vs transformers' float32 15 by up to 0.0098; an AMD EPYC
+        # Zen 5, the plugin vs transformers' float32 6 by up to 0.0037, transformers' float32 vs float64 10 by up
+        # to 0.0078. A chunk-edge bug moves positions after the edge by tenths (see the module docstring).
+        assert len(off) <= NEAR_TIE_POSITIONS * (len(prompt) - 1) and (not off or off[0][0] < NEAR_TIE_ATOL), (
             f"{what}, prompt {i}: prompt positions off by more than {atol}: {off[:10]}")
         n = len(prompt)
         greedy = [int(ref[n - 1 + j].argmax()) for j in range(len(g["token_ids"]))]
