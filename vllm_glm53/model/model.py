@@ -181,6 +181,7 @@ class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
         _vllm.cpu_pp_receive_buffer(vllm_config)
         _vllm.cpu_align_spec_copies(vllm_config)
         _vllm.cpu_pp_speculation(vllm_config)
+        _vllm.cpu_amx_gemm_follows_onednn_cap()
         hf_config = vllm_config.model_config.hf_config
         self.arch = text_arch(hf_config)
         self.model_dtype = vllm_config.model_config.dtype

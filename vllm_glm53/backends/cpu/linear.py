@@ -26,7 +26,7 @@ from vllm_glm53 import _vllm
 from vllm_glm53.backends.cpu import kernels
 from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
 
-__all__ = ["linear16", "native_16bit", "runs_on_linear16", "take_16bit_gemms", "widens"]
+__all__ = ["linear16", "native_16bit", "onednn_allows_amx", "runs_on_linear16", "take_16bit_gemms", "widens"]
 
 logger = logging.getLogger("vllm_glm53")
 
@@ -42,16 +42,22 @@ _ONEDNN_ISA_BITS = {"SSE41": 0x1, "AVX": 0x3, "AVX2": 0x7, "AVX2_VNNI": 0xF, "AV
                     "AVX512_CORE_FP16": 0x1EF, "AVX10_1_512_AMX": 0xFEF, "AVX512_CORE_AMX": 0xFEF,
                     "AVX10_1_512_AMX_FP16": 0x1FEF, "AVX512_CORE_AMX_FP16": 0x1FEF}
 _ONEDNN_NATIVE_BITS = {torch.bfloat16: 0xE7, torch.float16: 0x1EF}
+_ONEDNN_AMX_BITS = _ONEDNN_ISA_BITS["AVX512_CORE_AMX"]
 
 
-def _onednn_allows(dtype: torch.dtype) -> bool:
-    """Whether oneDNN's instruction-set cap (if any) leaves it the instructions for native ``dtype`` GEMMs."""
+def _onednn_allows(need: int) -> bool:
+    """Whether oneDNN's instruction-set cap (if any) leaves it the level whose bits are ``need``."""
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
     bits = _ONEDNN_ISA_BITS.get(cap)
     if bits is None:  # no cap, ALL / DEFAULT, or a level newer than this table (above all of these)
         return True
-    need = _ONEDNN_NATIVE_BITS[dtype]
     return bits & need == need
+
+
+def onednn_allows_amx() -> bool:
+    """Whether oneDNN's instruction-set cap leaves it AMX. torch's small-GEMM kernels (``brgemm``, under vLLM's AMX
+    linear path) run only on oneDNN's AMX kernels and raise where the cap hides AMX from oneDNN."""
+    return _onednn_allows(_ONEDNN_AMX_BITS)
 
 
 @functools.cache
@@ -60,7 +66,7 @@ def native_16bit(dtype: torch.dtype) -> bool:
     at full rate: it has the instructions and oneDNN is not capped below them (``ONEDNN_MAX_CPU_ISA``)."""
     from vllm_glm53.backends.cpu.build import cpu_flags
 
-    return bool(_NATIVE_FLAGS.get(dtype, set()) & cpu_flags()) and _onednn_allows(dtype)
+    return bool(_NATIVE_FLAGS.get(dtype, set()) & cpu_flags()) and _onednn_allows(_ONEDNN_NATIVE_BITS[dtype])
 
 
 def widens(dtype: torch.dtype) -> bool:
