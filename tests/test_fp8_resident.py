@@ -310,13 +310,13 @@ PANELS = pytest.mark.parametrize("panel_bytes", [None, 1], ids=["one panel", "a 
 @PANELS
 @pytest.mark.parametrize("parts", [[200, 200], [72, 128, 40]])
 def test_large_bfloat16_linears_run_the_dequantized_models_gemm(native_bf16, monkeypatch, parts, panel_bytes):
-    """From BF16_GEMM_MIN_TOKENS a bfloat16 model's FP8 linear is the dequantize-at-load model's product exactly: the
-    same bfloat16 weight, the same GEMM; below it, and for float32 tokens, the E4M3 kernel."""
+    """From bf16_gemm_min()'s tokens a bfloat16 model's FP8 linear is the dequantize-at-load model's product exactly:
+    the same bfloat16 weight, the same GEMM; below it, and for float32 tokens, the E4M3 kernel."""
     if panel_bytes is not None:
         monkeypatch.setattr(fp8_ops, "_PANEL_BYTES", panel_bytes)
     K = 320
     weight, scale = _fused(parts, K, _gen(31))
-    many = torch.randn(fp8_ops.BF16_GEMM_MIN_TOKENS, K, generator=_gen(32)).bfloat16()
+    many = torch.randn(fp8_ops.bf16_gemm_min()[0], K, generator=_gen(32)).bfloat16()
     want = F.linear(many, fp8_ops.dequantize_parts(weight, scale, parts, BLOCK, torch.bfloat16))
     assert torch.equal(fp8_ops.fp8_linear(many, weight, scale, parts, BLOCK), want)
     assert fp8_ops._linear_bf16_check(many, weight, scale, parts, BLOCK) is None
@@ -326,13 +326,13 @@ def test_large_bfloat16_linears_run_the_dequantized_models_gemm(native_bf16, mon
 
 @PANELS
 def test_large_bfloat16_expert_batches_run_the_dequantized_models_loop(native_bf16, monkeypatch, panel_bytes):
-    """From BF16_GEMM_MIN_PAIRS pairs per expert the FP8 experts are the dequantize-at-load model's bfloat16 expert
+    """From bf16_gemm_min()'s pairs per expert the FP8 experts are the dequantize-at-load model's bfloat16 expert
     loop exactly (each expert's w13 fused from ragged parts: inter = 200 is not a multiple of the 128-row block)."""
     if panel_bytes is not None:
         monkeypatch.setattr(fp8_ops, "_PANEL_BYTES", panel_bytes)
     D, inter = 320, 200
     w13, s13, w2, s2 = _expert_stacks(D, inter, _gen(33))
-    T = fp8_ops.BF16_GEMM_MIN_PAIRS * E // 2
+    T = fp8_ops.bf16_gemm_min()[1] * E // 2
     ids, weights = _routing(T, 2, _gen(34))
     x = (4 * torch.randn(T, D, generator=_gen(35))).bfloat16()
     w13_bf16 = torch.stack([fp8_ops.dequantize_parts(w13[e], s13[e], [inter, inter], BLOCK, torch.bfloat16)
@@ -346,10 +346,37 @@ def test_large_bfloat16_expert_batches_run_the_dequantized_models_loop(native_bf
     assert "fewer than" in fp8_ops._experts_bf16_check(x[:-1], w13, s13, w2, s2, *fewer, SWIGLU_LIMIT, BLOCK)
 
 
+@pytest.mark.parametrize("flags, cap, want", [
+    ({"avx512_bf16"}, None, (64, 64)), ({"avx512_bf16", "amx_bf16"}, None, (24, 24)),
+    ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", (64, 64)),
+    ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX", (24, 24))])
+def test_bf16_gemms_start_earlier_on_amx(monkeypatch, flags, cap, want):
+    """Where torch's bfloat16 GEMMs run on AMX tiles (the CPU has them, oneDNN is not capped below), the bf16_gemm
+    forms take over from 24 tokens / pairs per expert (the crossovers measured there), else from 64."""
+    from vllm_glm53.backends.cpu import build
+    from vllm_glm53.backends.cpu import linear as linear_ops
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", *flags})
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    linear_ops.amx_bf16.cache_clear()
+    try:
+        assert fp8_ops.bf16_gemm_min() == want
+        gen = _gen(37)
+        weight, scale = _fused([256], 256, gen)
+        x = torch.randn(want[0] - 1, 256, generator=gen).bfloat16()
+        assert f"fewer than {want[0]} tokens" in fp8_ops._linear_bf16_check(x, weight, scale, [256], BLOCK)
+    finally:
+        linear_ops.amx_bf16.cache_clear()
+
+
 def test_bf16_gemm_forms_need_native_bfloat16():
     gen = _gen(36)
     weight, scale = _fused([256], 256, gen)
-    x = torch.randn(fp8_ops.BF16_GEMM_MIN_TOKENS, 256, generator=gen).bfloat16()
+    x = torch.randn(fp8_ops.bf16_gemm_min()[0], 256, generator=gen).bfloat16()
     reason = fp8_ops._linear_bf16_check(x, weight, scale, [256], BLOCK)
     if fp8_ops.native_16bit(torch.bfloat16):
         assert reason is None
@@ -396,7 +423,7 @@ def test_fused_linear_layer_keeps_the_checkpoint_bytes_and_runs_the_kernel():
         got, _ = layer(x)
     want = x @ torch.cat([fp8_ops.dequantize_parts(w, s, [inter], BLOCK) for w, s in (gate, up)]).t()
     _close(got, want, ulps=16)  # measured 1.6 (avx2)
-    assert ("fp8_linear", "compiled", (f"bf16_gemm declined: fewer than {fp8_ops.BF16_GEMM_MIN_TOKENS} tokens: the "
+    assert ("fp8_linear", "compiled", (f"bf16_gemm declined: fewer than {fp8_ops.bf16_gemm_min()[0]} tokens: the "
                                        "E4M3 kernel reads fewer bytes",)) in decisions()
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_glm53.backends.cpu import kernels
-from vllm_glm53.backends.cpu.linear import native_16bit
+from vllm_glm53.backends.cpu.linear import amx_bf16, native_16bit
 from vllm_glm53.backends.cpu.moe import _per_expert, routed_experts_torch
 from vllm_glm53.backends.dispatch import Op, _compiled_status, compiled_kernels_check
 from vllm_glm53.quant.fp8_block import dequantize_block_fp8
@@ -97,10 +97,23 @@ def fp8_weight_form_torch(block: tuple[int, int]) -> str:
 # (Zen 5: 16, top-4): Zen 4 1.07-1.28 / 0.96-1.05 / 1.08-1.15 / 0.98-1.03 at 24-32 / 40 / 48 / 64 pairs per expert
 # (whole); Zen 5 with panels 0.96 / 1.05-1.11 / 0.85-0.97 / 0.92-1.10 / 0.80-0.96 / 0.82-0.84 / 0.75-0.76 at 24 / 32
 # / 40 / 48 / 64 / 96 / 128. Zen 5's kernels gain most from full-width 512-bit units (two bfloat16 dot products a
-# cycle), the panels move both CPUs' crossovers down: 64 tokens lies between them, and 64 pairs stays. A CPU with
-# AMX, whose GEMMs run on its tiles (the kernels do not use them), would want lower thresholds: not measured here.
+# cycle), the panels move both CPUs' crossovers down: 64 tokens lies between them, and 64 pairs stays.
+# Where torch's bfloat16 GEMMs run on AMX tiles (the kernels do not use them) the GEMMs win much earlier. Intel Xeon
+# with AMX (2 cores of a VM, its AVX-512 bfloat16 dot products at half a Zen 5's rate), the same measurements with
+# panels: the linear 1.20-1.25 / 0.71 / 0.75-0.78 / 0.62-0.63 / 0.64 / 0.52 / 0.39 at 16 / 24 / 32 / 40 / 48 / 64 / 96
+# tokens; experts 2.07 / 0.95 / 0.71 / 0.66 / 0.59 / 0.49 at 8 / 16 / 24 / 32 / 48 / 64 pairs per expert.
 BF16_GEMM_MIN_TOKENS = 64  # dense linears: tokens of the call
 BF16_GEMM_MIN_PAIRS = 64  # routed experts: mean (token, choice) pairs per expert
+AMX_BF16_GEMM_MIN_TOKENS = 24
+AMX_BF16_GEMM_MIN_PAIRS = 24
+
+
+def bf16_gemm_min() -> tuple[int, int]:
+    """``(tokens, pairs per expert)`` from which a bfloat16 model's FP8 products run as bfloat16 GEMMs on this CPU
+    (where it multiplies bfloat16 natively at all: :func:`_bf16_gemm_reason`)."""
+    if amx_bf16():
+        return AMX_BF16_GEMM_MIN_TOKENS, AMX_BF16_GEMM_MIN_PAIRS
+    return BF16_GEMM_MIN_TOKENS, BF16_GEMM_MIN_PAIRS
 
 # Rows of a bfloat16 panel are about this many bytes: the bf16_gemm forms dequantize and multiply a weight a panel
 # of rows at a time, so the GEMM reads each panel from cache right after the kernel wrote it instead of a whole
@@ -153,8 +166,9 @@ _linear_tensors = compiled_kernels_check(lambda x, weight, scale, parts, block: 
 
 
 def _linear_bf16_check(x, weight, scale, parts, block):
-    if x.shape[0] < BF16_GEMM_MIN_TOKENS:
-        return f"fewer than {BF16_GEMM_MIN_TOKENS} tokens: the E4M3 kernel reads fewer bytes"
+    tokens = bf16_gemm_min()[0]
+    if x.shape[0] < tokens:
+        return f"fewer than {tokens} tokens: the E4M3 kernel reads fewer bytes"
     return _bf16_gemm_reason(x) or _linear_check(x, weight, scale, parts, block)
 
 
@@ -200,8 +214,9 @@ _expert_tensors = compiled_kernels_check(lambda x, w13, w13_scale, w2, w2_scale,
 
 
 def _experts_bf16_check(x, w13, w13_scale, w2, w2_scale, ids, weights, limit, block):
-    if ids.numel() < BF16_GEMM_MIN_PAIRS * w13.shape[0]:
-        return f"fewer than {BF16_GEMM_MIN_PAIRS} (token, expert) pairs per expert: the E4M3 kernel reads fewer bytes"
+    pairs = bf16_gemm_min()[1]
+    if ids.numel() < pairs * w13.shape[0]:
+        return f"fewer than {pairs} (token, expert) pairs per expert: the E4M3 kernel reads fewer bytes"
     return _bf16_gemm_reason(x) or _experts_check(x, w13, w13_scale, w2, w2_scale, ids, weights, limit, block)
 
 

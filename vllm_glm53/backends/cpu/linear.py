@@ -26,7 +26,8 @@ from vllm_glm53 import _vllm
 from vllm_glm53.backends.cpu import kernels
 from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
 
-__all__ = ["linear16", "native_16bit", "onednn_allows_amx", "runs_on_linear16", "take_16bit_gemms", "widens"]
+__all__ = ["amx_bf16", "linear16", "native_16bit", "onednn_allows_amx", "runs_on_linear16", "take_16bit_gemms",
+           "widens"]
 
 logger = logging.getLogger("vllm_glm53")
 
@@ -67,6 +68,14 @@ def native_16bit(dtype: torch.dtype) -> bool:
     from vllm_glm53.backends.cpu.build import cpu_flags
 
     return bool(_NATIVE_FLAGS.get(dtype, set()) & cpu_flags()) and _onednn_allows(_ONEDNN_NATIVE_BITS[dtype])
+
+
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether torch's bfloat16 GEMMs run on AMX tiles here: the CPU has them and oneDNN is not capped below AMX."""
+    from vllm_glm53.backends.cpu.build import cpu_flags
+
+    return "amx_bf16" in cpu_flags() and onednn_allows_amx()
 
 
 def widens(dtype: torch.dtype) -> bool:
