@@ -215,7 +215,7 @@ def test_vllms_amx_gemm_follows_onednns_instruction_set_cap(monkeypatch, cap, am
     assert utils.check_cpu_sgl_kernel(512, 512, torch.bfloat16)  # what vLLM answers on a CPU with AMX
     if cap is not None:
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
-    assert _vllm.cpu_amx_gemm_follows_onednn_cap() == (not amx_gemm)
-    assert _vllm.cpu_amx_gemm_follows_onednn_cap() == (not amx_gemm)  # idempotent: one wrapper
+    assert _vllm.cpu_amx_gemm_follows_onednn_cap(linear_ops.onednn_allows_amx) == (not amx_gemm)
+    assert _vllm.cpu_amx_gemm_follows_onednn_cap(linear_ops.onednn_allows_amx) == (not amx_gemm)  # one wrapper
     assert utils.check_cpu_sgl_kernel(512, 512, torch.bfloat16) == amx_gemm
     assert not utils.check_cpu_sgl_kernel(512, 512, torch.float32)  # vLLM's own no for float32 stays

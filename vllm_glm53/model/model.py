@@ -45,7 +45,7 @@ from vllm_glm53.model.multimodal import (
 )
 from vllm_glm53.model.norm import RMSNorm
 from vllm_glm53.model.vision import Glm5NextVisionTower, vision_arch
-from vllm_glm53.model.weights import WeightLoader, after_weights_processed
+from vllm_glm53.model.weights import WeightLoader, after_weights_processed, before_weights_processed
 from vllm_glm53.serving import PLUGIN_MODEL, refusals
 
 
@@ -181,7 +181,7 @@ class Glm5NextForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
         _vllm.cpu_pp_receive_buffer(vllm_config)
         _vllm.cpu_align_spec_copies(vllm_config)
         _vllm.cpu_pp_speculation(vllm_config)
-        _vllm.cpu_amx_gemm_follows_onednn_cap()
+        before_weights_processed()
         hf_config = vllm_config.model_config.hf_config
         self.arch = text_arch(hf_config)
         self.model_dtype = vllm_config.model_config.dtype

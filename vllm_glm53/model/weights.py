@@ -202,6 +202,17 @@ class WeightLoader:
         self.loaded.add(name)
 
 
+def before_weights_processed() -> None:
+    """What must be in place before vLLM post-processes a CPU model's layers (it picks each linear layer's GEMM
+    then): its AMX GEMM ruled out where oneDNN is capped below AMX (``_vllm`` ledger 12)."""
+    from vllm_glm53 import _vllm
+
+    if _vllm.is_cpu_platform():
+        from vllm_glm53.backends.cpu.linear import onednn_allows_amx
+
+        _vllm.cpu_amx_gemm_follows_onednn_cap(onednn_allows_amx)
+
+
 def after_weights_processed(model: nn.Module) -> None:
     """What a loaded model does once vLLM has post-processed every layer (its model-level
     ``process_weights_after_loading`` hook): on a CPU, the linear layers whose 16-bit weights the CPU has no
