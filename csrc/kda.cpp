@@ -275,14 +275,22 @@ at::Tensor causal_conv1d_varlen(const at::Tensor& x_, const at::Tensor& weight_,
   TORCH_CHECK(K - 1 <= kMaxTaps, "causal_conv1d_varlen: kernel width above ", kMaxTaps + 1);
   const at::Tensor x = x_.stride(1) == 1 ? x_ : x_.contiguous();  // channel vectors are loaded whole
   const at::Tensor weight = weight_.reshape({C, K}).to(at::kFloat).contiguous();
+  // tap-major weights ([K, C]), once per call: a task loads its block's taps as vectors
+  std::vector<float> taps(K * C);
+  const float* w_ck = weight.data_ptr<float>();
+  for (int64_t j = 0; j < K; ++j)
+    for (int64_t c = 0; c < C; ++c) taps[j * C + c] = w_ck[c * K + j];
   at::Tensor cu = as_long(cu_seqlens), in = as_long(state_in), out = as_long(state_out), at_ = as_long(state_out_at);
   const StateSchedule sched = check_schedule(cu, in, out, at_, T, pool.size(0), "causal_conv1d_varlen");
   const int64_t R = in.numel();
   at::Tensor y = at::zeros({T, C}, x.options());
-  const float* w = weight.data_ptr<float>();
+  const float* w = taps.data();
   const int64_t s0 = pool.stride(0), s1 = pool.stride(1), s2 = pool.stride(2), sx = x.stride(0), sy = y.stride(0);
   const int64_t n_blocks = (C + kLanes - 1) / kLanes;
   const int nw = static_cast<int>(K - 1);
+  // A slot's window stored channel after channel ([C, K-1] contiguous, as vLLM allocates it): a block's windows are
+  // one run of m * nw values, read and written as vectors and transposed in a float buffer.
+  const bool packed = s2 == 1 && s1 == nw;
 
   GLM53_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv_x", [&] {
     using x_t = scalar_t;
@@ -294,21 +302,32 @@ at::Tensor causal_conv1d_varlen(const at::Tensor& x_, const at::Tensor& weight_,
       at::parallel_for(0, R * n_blocks, 1, [&](int64_t begin, int64_t end) {
         std::vector<std::pair<int64_t, int64_t>> outs;
         F16 win[kMaxTaps], tap[kMaxTaps + 1];
-        // tap-major copies of the block's weights (all K taps) and window (the pool's is strided per channel)
-        alignas(64) float buf[kMaxTaps + 1][kLanes];
+        alignas(64) float buf[kMaxTaps][kLanes];      // the block's window, tap-major
+        alignas(64) float run[kMaxTaps * kLanes];     // the same, channel-major (the pool's order)
         for (int64_t task = begin; task < end; ++task) {
           const int64_t r = task / n_blocks, c0 = (task % n_blocks) * kLanes;
           const int64_t t0 = sched.cu[r], len = sched.cu[r + 1] - t0;
           if (len == 0) continue;
           const int m = static_cast<int>(std::min<int64_t>(kLanes, C - c0));
+          const int n_run = m * nw;
           const int64_t slot_in = sched.in[r];
-          for (int j = 0; j < nw; ++j)
-            for (int i = 0; i < kLanes; ++i)
-              buf[j][i] = slot_in >= 0 && i < m ? static_cast<float>(pp[slot_in * s0 + (c0 + i) * s1 + j * s2]) : 0.0f;
-          for (int j = 0; j < nw; ++j) win[j] = load(buf[j]);
-          for (int j = 0; j <= nw; ++j)
-            for (int i = 0; i < kLanes; ++i) buf[j][i] = i < m ? w[(c0 + i) * K + j] : 0.0f;
-          for (int j = 0; j <= nw; ++j) tap[j] = load(buf[j]);
+          if (slot_in < 0) {
+            for (int j = 0; j < nw; ++j) win[j] = zero();
+          } else if (packed) {
+            const s_t* src = pp + slot_in * s0 + c0 * nw;
+            for (int q = 0; q < n_run; q += kLanes) store(run + q, load(src + q, std::min(kLanes, n_run - q)));
+            for (int j = 0; j < nw; ++j) {
+              for (int i = 0; i < kLanes; ++i) buf[j][i] = i < m ? run[i * nw + j] : 0.0f;
+              win[j] = load(buf[j]);
+            }
+          } else {
+            for (int j = 0; j < nw; ++j) {
+              for (int i = 0; i < kLanes; ++i)
+                buf[j][i] = i < m ? static_cast<float>(pp[slot_in * s0 + (c0 + i) * s1 + j * s2]) : 0.0f;
+              win[j] = load(buf[j]);
+            }
+          }
+          for (int j = 0; j <= nw; ++j) tap[j] = load(w + j * C + c0, m);
           sched.sorted_outputs(r, outs);
           size_t next = 0;
           for (int64_t t = 0; t < len; ++t) {
@@ -322,8 +341,15 @@ at::Tensor causal_conv1d_varlen(const at::Tensor& x_, const at::Tensor& weight_,
             while (next < outs.size() && outs[next].first == t) {
               const int64_t slot = outs[next++].second;
               for (int j = 0; j < nw; ++j) store(buf[j], win[j]);
-              for (int i = 0; i < m; ++i)
-                for (int j = 0; j < nw; ++j) pp[slot * s0 + (c0 + i) * s1 + j * s2] = static_cast<s_t>(buf[j][i]);
+              if (packed) {
+                for (int i = 0; i < m; ++i)
+                  for (int j = 0; j < nw; ++j) run[i * nw + j] = buf[j][i];
+                s_t* dst = pp + slot * s0 + c0 * nw;
+                for (int q = 0; q < n_run; q += kLanes) store(dst + q, load(run + q), std::min(kLanes, n_run - q));
+              } else {
+                for (int i = 0; i < m; ++i)
+                  for (int j = 0; j < nw; ++j) pp[slot * s0 + (c0 + i) * s1 + j * s2] = static_cast<s_t>(buf[j][i]);
+              }
             }
           }
         }

@@ -209,10 +209,13 @@ def test_kda_varlen_long_strong_decay_matches_recurrence():
     _close(pool[0], want_state, ulps=2)
 
 
+@pytest.mark.parametrize("pool_layout", ["packed", "strided"])
 @pytest.mark.parametrize("layout", ["contiguous", "column slice", "transposed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("which", ["mixed", "speculative"])
-def test_conv_varlen_matches_torch(dtype, which, layout):
+def test_conv_varlen_matches_torch(dtype, which, layout, pool_layout):
+    """Pools as vLLM binds them (each slot's windows one run of C x (K-1) values, read and written as vectors) and
+    with a channel stride above K-1 (read and written value by value)."""
     plan = _mixed_plan() if which == "mixed" else _spec_plan()
     C, K = 37, 4
     gen = _gen(12)
@@ -222,8 +225,11 @@ def test_conv_varlen_matches_torch(dtype, which, layout):
     elif layout == "transposed":  # channels not contiguous (the kernel copies them)
         x = x.t().contiguous().t()
     w = torch.randn(C, K, generator=gen)
-    pages = torch.randn(7, C * (K - 1) + 5, generator=gen).to(dtype)
-    pool = pages[:, 5:].view(7, C, K - 1)
+    if pool_layout == "packed":
+        pages = torch.randn(7, C * (K - 1) + 5, generator=gen).to(dtype)
+        pool = pages[:, 5:].view(7, C, K - 1)
+    else:
+        pool = torch.randn(7, C, K + 1, generator=gen).to(dtype)[:, :, 1:K]
     ref_pool = pool.clone()
     got = kda.causal_conv1d_varlen.implementation("compiled")(x, w, pool, plan)
     want = kda.causal_conv1d_varlen.implementation("torch")(x, w, ref_pool, plan)
