@@ -115,6 +115,7 @@ def bf16_gemm_min() -> tuple[int, int]:
         return AMX_BF16_GEMM_MIN_TOKENS, AMX_BF16_GEMM_MIN_PAIRS
     return BF16_GEMM_MIN_TOKENS, BF16_GEMM_MIN_PAIRS
 
+
 # Rows of a bfloat16 panel are about this many bytes: the bf16_gemm forms dequantize and multiply a weight a panel
 # of rows at a time, so the GEMM reads each panel from cache right after the kernel wrote it instead of a whole
 # bfloat16 copy going out to memory and back. 12288 x 4096, Zen 5, 2 threads: 1.29x faster at 64 tokens, 1.14-1.18x
