@@ -32,7 +32,7 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
 void write_tokens(at::Tensor& latent_pages, at::Tensor& raw, const at::Tensor& slot_mapping, const at::Tensor& latent,
                   const std::optional<at::Tensor>& key_gate);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor mhc_rms_norm(const at::Tensor& X, double eps);
+at::Tensor mhc_mix(const at::Tensor& X, const at::Tensor& fn, double eps);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mhc_coefficients(const at::Tensor& m, const at::Tensor& base,
                                                                 const at::Tensor& scale, int64_t n, double eps,
                                                                 int64_t sinkhorn_iters);
@@ -77,7 +77,7 @@ TORCH_LIBRARY(vllm_glm53, m) {
   m.def("write_tokens(Tensor(a!) latent_pages, Tensor(b!) raw, Tensor slot_mapping, Tensor latent, Tensor? key_gate)"
         " -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("mhc_rms_norm(Tensor X, float eps) -> Tensor");
+  m.def("mhc_mix(Tensor X, Tensor fn, float eps) -> Tensor");
   m.def("mhc_coefficients(Tensor m, Tensor base, Tensor scale, int n, float eps, int sinkhorn_iters)"
         " -> (Tensor, Tensor, Tensor)");
   m.def("mhc_collapse(Tensor X, Tensor pre) -> Tensor");
@@ -101,7 +101,7 @@ TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
   m.impl("sparse_latent_attention", &glm53::sparse_latent_attention);
   m.impl("write_tokens", &glm53::write_tokens);
   m.impl("rms_norm", &glm53::rms_norm);
-  m.impl("mhc_rms_norm", &glm53::mhc_rms_norm);
+  m.impl("mhc_mix", &glm53::mhc_mix);
   m.impl("mhc_coefficients", &glm53::mhc_coefficients);
   m.impl("mhc_collapse", &glm53::mhc_collapse);
   m.impl("mhc_expand", &glm53::mhc_expand);

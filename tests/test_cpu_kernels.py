@@ -502,14 +502,20 @@ def _mhc_inputs(T, n, D, dtype, seed, logit_scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,D", [(4, 40), (2, 64)])
-def test_mhc_rms_norm_matches_torch(dtype, n, D):
-    X, *_ = _mhc_inputs(5, n, D, dtype, seed=40)
-    # measured (ulps of max|reference|, avx2 / portable): 1.5 / 1.5
-    _close(ops.mhc_rms_norm(X, NORM_EPS), mhc.mhc_rms_norm_torch(X, NORM_EPS), ulps=6)
-    padded = torch.randn(5, n, D + 7, generator=_gen(41)).to(dtype)[..., 3 : 3 + D]  # strided streams
-    # measured (ulps of max|reference|, avx2 / portable): 1.0 / 1.0
-    _close(ops.mhc_rms_norm(padded, NORM_EPS), mhc.mhc_rms_norm_torch(padded, NORM_EPS), ulps=4)
+@pytest.mark.parametrize("n,D", [(4, 40), (3, 64)])
+@pytest.mark.parametrize("T", [5, 16, 23])
+def test_mhc_mix_matches_torch(dtype, n, D, T):
+    """The coefficient GEMM's input and its product in one call: up to 16 tokens on the kernel's own dot products
+    (token groups of 4 or 2 with a partial last one at 5; fn's (2+n)n rows in register tiles of 4 or 2, n = 3's 15
+    ending in a partial tile), more on torch's GEMM after the kernel's normalisation."""
+    X, fn, *_ = _mhc_inputs(T, n, D, dtype, seed=40 + T)
+    want = mhc.mhc_rms_norm_torch(X, NORM_EPS) @ fn.t()
+    # measured (ulps of max|reference|, avx2 / portable): 4.6 / 4.3 (avx512 4.6)
+    _close(ops.mhc_mix(X, fn, NORM_EPS), want, ulps=8)
+    padded = torch.randn(T, n, D + 7, generator=_gen(41)).to(dtype)[..., 3 : 3 + D]  # strided streams
+    want = mhc.mhc_rms_norm_torch(padded, NORM_EPS) @ fn.t()
+    # measured (ulps of max|reference|, avx2 / portable): 3.7 / 3.7
+    _close(ops.mhc_mix(padded, fn, NORM_EPS), want, ulps=8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -562,7 +568,7 @@ def test_mhc_coefficients_match_torch(T, n, iters, logit_scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 17])
 def test_mhc_coefficients_end_to_end_match_torch(dtype, T):
-    """The backend entry point: compiled norm, torch GEMM, compiled coefficients, against the torch form."""
+    """The backend entry point: the compiled mix (norm and GEMM) and coefficients, against the torch form."""
     n = 4
     X, fn, base, scale = _mhc_inputs(T, n, 40, dtype, seed=42 + T)
     got = mhc.mhc_coefficients(X, fn, base, scale, n, HC_EPS, 20, NORM_EPS)

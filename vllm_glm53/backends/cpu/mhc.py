@@ -1,13 +1,13 @@
 """mHC (manifold-constrained hyper-connections) for the CPU — architecture.md section 3; the maths is explained in
 :mod:`vllm_glm53.model.mhc`.
 
-Each op is an :class:`~vllm_glm53.backends.dispatch.Op`; everything except the coefficient GEMM has a
-``compiled`` implementation (csrc/mhc.cpp), used when the kernels are built: the RMS normalisation of the flattened streams, the sigmoid / softmax /
-Sinkhorn steps per token, the collapse and the expand. In plain torch the coefficients alone are some 150 tiny
-ops per block, two blocks per decoder layer per step, and their dispatch cost weighs on a small-batch decode.
-The GEMM with ``fn`` stays a torch matmul in both paths. The plain forms are kept under ``*_torch`` names, the
-reference the kernels are tested against; the kernels follow their order of operations, so both agree to
-float32 rounding.
+Each op is an :class:`~vllm_glm53.backends.dispatch.Op` with a ``compiled`` implementation (csrc/mhc.cpp), used
+when the kernels are built: the RMS normalisation of the flattened streams with the GEMM by ``fn`` (the kernel's
+own dot products for a decode step's few tokens, torch's GEMM for more), the sigmoid / softmax / Sinkhorn steps
+per token, the collapse and the expand. In plain torch the coefficients alone are some 150 tiny ops per block,
+two blocks per decoder layer per step, and their dispatch cost weighs on a small-batch decode. The plain forms
+are kept under ``*_torch`` names, the reference the kernels are tested against; the kernels follow their order of
+operations (the GEMM's sums aside), so both agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ mhc_expand = Op("mhc_expand")
 @mhc_coefficients.register("compiled", compiled_kernels_check(lambda X, fn, base, scale, *a, **k: (X, fn, base, scale)))
 def _mhc_coefficients_compiled(X, fn, base, scale, hc_mult, eps, sinkhorn_iters, norm_eps):
     ops = kernels.ops()
-    m = ops.mhc_rms_norm(X, norm_eps) @ fn.to(torch.float32).t()  # the GEMM stays a torch matmul
-    return ops.mhc_coefficients(m, base, scale, hc_mult, eps, sinkhorn_iters)
+    return ops.mhc_coefficients(ops.mhc_mix(X, fn, norm_eps), base, scale, hc_mult, eps, sinkhorn_iters)
 
 
 @mhc_coefficients.register("torch")
