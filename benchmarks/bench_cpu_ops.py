@@ -383,6 +383,12 @@ def bench_mhc(D: int, batches: list[int], repeat: int, ops) -> list[str]:
                             repeat)
         c_coef = c_mix = None
         if ops is not None:
+            got = mhc.mhc_coefficients(X, fn, base, scale, n, eps, iters, norm_eps)
+            for g, w, what in zip(got, (pre, post, comb), ("pre", "post", "comb")):
+                check(g, w, f"mHC {what}, batch {B}")
+            check(mhc.mhc_collapse(X, pre), mhc.mhc_collapse_torch(X, pre), f"mHC collapse, batch {B}", tol=1e-2)
+            check(mhc.mhc_expand(X, y, post, comb), mhc.mhc_expand_torch(X, y, post, comb), f"mHC expand, batch {B}",
+                  tol=1e-2)
             c_coef = median_time(lambda i: mhc.mhc_coefficients(X, fn, base, scale, n, eps, iters, norm_eps), repeat)
             c_mix = median_time(lambda i: (mhc.mhc_collapse(X, pre), mhc.mhc_expand(X, y, post, comb)), repeat)
         speed = f"{(t_coef + t_mix) / (c_coef + c_mix):.1f}x" if c_coef else "—"
