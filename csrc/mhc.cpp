@@ -12,9 +12,9 @@
 // In the torch form the coefficients alone are some 150 tiny ops per block (the 20-iteration Sinkhorn loop is
 // over 100 of them) whose dispatch, not arithmetic, is the cost: here one pass per token. The coefficient maths follows the torch
 // form's order of operations step by step (each Sinkhorn sum runs in index order, every normalisation is a true
-// division, as torch's are), so the two agree to float32 rounding: the exp inside the sigmoid and the softmax
-// and the RMS norm's sum of squares are the only differently rounded steps (a few ulp). Tokens are independent
-// and split over threads.
+// division, as torch's are), so the two agree to float32 rounding: the exp inside the sigmoid and the softmax,
+// the RMS norm's sum of squares and mhc_mix's dot products (lane-wise partial sums, not torch's GEMM order) are
+// the only differently rounded steps (a few ulp). Tokens are independent and split over threads.
 
 #include <memory>
 
