@@ -19,9 +19,12 @@
 #pragma once
 
 #include <algorithm>
+#include <memory>
+#include <new>
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "common.h"
 
 namespace glm53 {
@@ -288,12 +291,15 @@ void token_pairs_across_lanes(const RowOf& row, int64_t M, const UnpackOrder& or
   const int64_t P = order.len / 2, groups = ceil_div(M, kLanes);
   if (order.padded()) std::fill_n(xp, groups * P * kLanes, 0u);
   else if (M % kLanes != 0) std::fill_n(xp + (groups - 1) * P * kLanes, P * kLanes, 0u);
+  std::vector<c10::BFloat16> b(order.K);
   for (int64_t j = 0; j < M; ++j) {
     const float* src = row(j);
+    for (int64_t k = 0; k < order.K; k += kLanes) {  // rounded in vectors (a scalar rounding per value was a tenth
+      const int m = static_cast<int>(std::min<int64_t>(kLanes, order.K - k));  // of an AMX call's time)
+      store(b.data() + k, load(src + k, m), m);
+    }
     uint32_t* dst = xp + (j / kLanes) * P * kLanes + j % kLanes;
-    for (int64_t p = 0; p < order.K / 2; ++p)
-      dst[at[2 * p] / 2 * kLanes] = static_cast<uint32_t>(c10::BFloat16(src[2 * p]).x) |
-                                    static_cast<uint32_t>(c10::BFloat16(src[2 * p + 1]).x) << 16;
+    for (int64_t p = 0; p < order.K / 2; ++p) std::memcpy(dst + at[2 * p] / 2 * kLanes, b.data() + 2 * p, 4);
   }
 }
 
@@ -448,6 +454,13 @@ inline void rows_by_token_pairs_n(int nr, const c10::BFloat16* rows, int64_t ld,
 // 1.08-1.21 / 0.85 / 0.89.
 constexpr int64_t kPairsDirectMaxTokens = GLM53_AVX512 ? 12 : kE4m3DirectMaxTokens;
 
+// With AMX tiles (amx.h) the tile path costs about the rows' conversion for any count up to a group's 16, so the
+// direct path keeps only the counts where it reads the rows as fast. fp8_linear 4096 x 4096 from the L3, one core
+// of the Intel Xeon, tile path on AMX / direct path: 1.01 / 0.99 / 0.88 / 0.78 / 0.57 / 0.30 at 1 / 2 / 3 / 4 / 8 / 16
+// tokens. ``amx``: amx_tiles(), read once by the caller.
+constexpr int64_t kAmxDirectMaxTokens = 2;
+inline int64_t pairs_direct_max(bool amx) { return amx ? kAmxDirectMaxTokens : kPairsDirectMaxTokens; }
+
 // Whether block-FP8 products take the bfloat16 pairs above (direct path and tiles) for tokens of dtype ``tokens``
 // and K columns: an avx512 build on a CPU with bfloat16 dot products, bfloat16 tokens (exact as bfloat16), K even.
 inline bool bf16_pairs(at::ScalarType tokens, int64_t K) {
@@ -459,6 +472,18 @@ inline bool bf16_pairs(at::ScalarType tokens, int64_t K) {
 #endif
 }
 
+// out[l * ld + i] = acc[i][l] for nr rows and the first n lanes (tokens) of a row tile's sums, in out's dtype: the
+// tile path's results, transposed back to token rows. Each token's column is gathered, then stored as a vector
+// (rounded as vec.h's store rounds; a scalar rounding per value took a tenth of an AMX tile call's time).
+template <typename T>
+inline void store_tile_columns(const float (*acc)[kLanes], int nr, int64_t n, T* out, int64_t ld) {
+  alignas(64) float column[kLanes] = {};
+  for (int64_t l = 0; l < n; ++l) {
+    for (int i = 0; i < nr; ++i) column[i] = acc[i][l];
+    store(out + l * ld, load(column, nr), nr);
+  }
+}
+
 // Values a tile row holds per chunk of ``chunk`` columns, and a token row of a token group holds for K columns, as
 // row_tile_by_tokens reads them: chunk and K for float32 tiles; bfloat16 tiles (chunk = the column block) lay
 // both out in unpack order, each column block padded to a multiple of 64 (UnpackOrder).
@@ -466,10 +491,118 @@ template <typename Tile>
 constexpr int64_t tile_stride(int64_t chunk) {
   return std::is_same_v<Tile, float> ? chunk : unpack_block(chunk);
 }
+// A row tile's buffer: n zeroed values on a 64-byte boundary (AMX tile loads of rows that straddle two cache lines
+// ran 1.3x slower).
+template <typename T>
+class TileBuffer {
+ public:
+  explicit TileBuffer(size_t n) : p_(static_cast<T*>(::operator new[](n * sizeof(T), std::align_val_t(64)))) {
+    std::fill_n(p_.get(), n, T());
+  }
+  T* data() const { return p_.get(); }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { ::operator delete[](p, std::align_val_t(64)); }
+  };
+  std::unique_ptr<T, Free> p_;
+};
+
+// Column blocks a row tile's buffer holds: bfloat16 tiles two (the AMX form widens the next block while the tiles
+// multiply the current one).
+template <typename Tile>
+constexpr int64_t kTileBlocks = std::is_same_v<Tile, float> ? 1 : 2;
 template <typename Tile>
 constexpr int64_t tile_token_len(int64_t K, int64_t chunk) {
   return std::is_same_v<Tile, float> ? K : UnpackOrder(K, chunk).len;
 }
+
+#if GLM53_HAS_AMX
+// row_tile_by_tokens' bfloat16 form on AMX tiles (amx.h), ``tile`` holding two column blocks of kRowTile rows.
+// A column block's products go to the tiles 32 positions at a time, and between them the rows' next block is
+// widened into the other half of the buffer, a few rows each time, so the vector units convert while the tiles
+// multiply (issued one after the other, the two took their sum: 7 + 5 cycles per 64 weights from cache on the
+// Intel Xeon, 16 rows x 4,096 columns against 16 tokens). Then the block's sums are scaled into acc. Consecutive
+// blocks use different C tiles, consecutive products different A and B tiles (amx.h). No lambdas here: they would
+// not take the function's target, and the tile helpers would be calls.
+
+// What a row tile's AMX pass works on (row_tile_by_token_pairs_amx's arguments, and derived sizes).
+template <typename Widen>
+struct AmxRowTile {
+  int nr, nn;
+  const Widen& widen;
+  const char* const* rows;
+  const char* const* next;
+  int64_t elem;
+  const uint32_t* xt;
+  const float* block_scales;
+  int64_t groups, K, chunk, stride, len;
+  float* acc;
+};
+
+// Rows [i0, i1) of the column block at k0 into buf, prefetching what is widened after it (the next rows' first
+// block after the last).
+template <typename Widen>
+GLM53_AMX inline void amx_widen_rows(const AmxRowTile<Widen>& t, int64_t k0, int i0, int i1, c10::BFloat16* buf) {
+  const int64_t k1 = k0 + t.chunk, ahead = std::min(t.chunk, k1 < t.K ? t.K - k1 : t.K) * t.elem;
+  for (int i = i0; i < i1; ++i) {
+    t.widen(i, k0, std::min(t.chunk, t.K - k0), buf + i * t.stride);
+    const char* p = k1 < t.K ? t.rows[i] + k1 * t.elem : i < t.nn ? t.next[i] : nullptr;
+    if (p != nullptr)
+      for (int64_t l = 0; l < ahead; l += 64) __builtin_prefetch(p + l);
+  }
+}
+
+// Column block kb (at k0, widened in cur) against every token group on C tile C, widening the next block into nxt
+// (if any) during the first group's products.
+template <int C, typename Widen>
+GLM53_AMX inline void amx_column_block(const AmxRowTile<Widen>& t, int64_t k0, int64_t kb, const c10::BFloat16* cur,
+                                       c10::BFloat16* nxt) {
+  const int64_t steps = ceil_div(std::min(t.chunk, t.K - k0), 64) * 2;  // 32 positions each, an even count
+  const int64_t row_bytes = t.stride * static_cast<int64_t>(sizeof(c10::BFloat16));
+  const bool more = k0 + t.chunk < t.K;
+  const int per_pair = static_cast<int>(ceil_div(t.nr, steps / 2));  // rows widened per pair of products
+  const __m512 sv = _mm512_set1_ps(t.block_scales[kb] * 0x1p8f);
+  alignas(64) float c[kLanes][kLanes];
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint32_t* xg = t.xt + (g * t.len + kb * t.stride) / 2 * kLanes;
+    amx_zero<C>();
+    for (int64_t s = 0; s < steps; s += 2) {
+      amx_product<C, 0>(cur + 32 * s, row_bytes, xg + 16 * s * kLanes);
+      amx_product<C, 1>(cur + 32 * (s + 1), row_bytes, xg + 16 * (s + 1) * kLanes);
+      if (g == 0 && more) {
+        const int i0 = static_cast<int>(s / 2) * per_pair;
+        amx_widen_rows(t, k0 + t.chunk, std::min(i0, t.nr), std::min(i0 + per_pair, t.nr), nxt);
+      }
+    }
+    amx_store<C>(c);
+    auto* ag = reinterpret_cast<float(*)[kLanes]>(t.acc + g * kRowTile * kLanes);
+    for (int r = 0; r < t.nr; ++r) {
+      const __m512 v = _mm512_load_ps(c[r]);
+      _mm512_storeu_ps(ag[r], k0 > 0 ? _mm512_fmadd_ps(v, sv, _mm512_loadu_ps(ag[r])) : _mm512_mul_ps(v, sv));
+    }
+  }
+}
+
+template <typename Widen>
+GLM53_AMX void row_tile_by_token_pairs_amx(int nr, const Widen& widen, const char* const* rows,
+                                           const char* const* next, int nn, int64_t elem, const uint32_t* xt,
+                                           const float* block_scales, int64_t groups, int64_t K, int64_t chunk,
+                                           c10::BFloat16* tile, float* acc) {
+  const int64_t stride = unpack_block(chunk);
+  const AmxRowTile<Widen> t{nr, nn, widen, rows, next, elem, xt, block_scales, groups, K, chunk, stride,
+                            UnpackOrder(K, chunk).len, acc};
+  amx_configure();
+  amx_widen_rows(t, 0, 0, nr, tile);
+  for (int64_t k0 = 0, kb = 0; k0 < K; k0 += chunk, ++kb) {
+    const c10::BFloat16* cur = tile + (kb & 1) * kRowTile * stride;
+    c10::BFloat16* nxt = tile + ((kb + 1) & 1) * kRowTile * stride;
+    if (kb & 1) amx_column_block<1>(t, k0, kb, cur, nxt);
+    else amx_column_block<0>(t, k0, kb, cur, nxt);
+  }
+  amx_release();
+}
+#endif
 
 // One row tile against token groups: acc[g * kRowTile + i][lane] = row i . token (g * kLanes + lane) for nr rows
 // and g < groups, a chunk of ``chunk`` columns at a time (a multiple of the rows' column block): widen(i, k0, n,
@@ -485,6 +618,12 @@ void row_tile_by_tokens(int nr, const Widen& widen, const char* const* rows, con
                         int64_t elem, const Tokens* xt, const float* block_scales, int64_t groups, int64_t K,
                         int64_t chunk, Tile* tile, float* acc) {
   const int64_t stride = tile_stride<Tile>(chunk), len = tile_token_len<Tile>(K, chunk);
+#if GLM53_HAS_AMX
+  if constexpr (!std::is_same_v<Tile, float>)
+    if (amx_tiles())
+      return row_tile_by_token_pairs_amx(nr, widen, rows, next, nn, elem, xt, block_scales, groups, K, chunk, tile,
+                                         acc);
+#endif
   for (int64_t k0 = 0, kb = 0; k0 < K; k0 += chunk, ++kb) {
     const int64_t kn = std::min(chunk, K - k0);
     for (int i = 0; i < nr; ++i) widen(i, k0, kn, tile + i * stride);

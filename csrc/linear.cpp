@@ -16,7 +16,8 @@
 //           kRowTile rows at a time, widened / dequantized a chunk of columns at a time into an L1-resident float32
 //           buffer, are broadcast against them (gemv.h's rows_by_tokens: no horizontal sums, one token load per
 //           column for all the rows); FP8 rows and bfloat16 tokens on a CPU with bfloat16 dot products: E4M3 values
-//           as bfloat16 against token pairs (rows_by_token_pairs), 1.3-1.5x faster from 16 to 128 tokens;
+//           as bfloat16 against token pairs (rows_by_token_pairs), 1.3-1.5x faster from 16 to 128 tokens; on AMX
+//           tiles where the CPU has them (amx.h), from 3 tokens (pairs_direct_max), 3.3x the pairs' speed at 16;
 //   panels  (more tokens: prefill): consecutive tasks make a panel of about kPanelBytes of
 //           float32 rows; all threads widen / dequantize the panel into a buffer, then torch's float32 GEMM
 //           multiplies it with the tokens into the panel's output columns. The conversion is paid once per weight
@@ -132,7 +133,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
     // kPairsDirectMaxTokens tokens.
     constexpr bool kMayPair = std::is_same_v<W, E4m3> && std::is_same_v<scalar_t, c10::BFloat16>;
     const bool direct_pairs = kMayPair && bf16_pairs(at::kBFloat16, K);
-    if (M > (direct_pairs ? kPairsDirectMaxTokens : Rows::kDirectMax)) {
+    if (M > (direct_pairs ? pairs_direct_max(amx_tiles()) : Rows::kDirectMax)) {
       const int64_t groups = ceil_div(M, kLanes);
       // Every task's rows, kRowTile at a time, against all token groups xt, ``chunk`` columns at a time; widen(task,
       // r, k0, n, out) writes row r's columns [k0, k0 + n) into a Tile-typed buffer, block_scales(task) is what
@@ -140,7 +141,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
       const auto row_tiles = [&]<typename Tile, typename Tokens>(const Tokens* xt, int64_t chunk, const auto& widen,
                                                                  const auto& block_scales) {
         at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
-          std::vector<Tile> tile(kRowTile * tile_stride<Tile>(chunk));
+          const TileBuffer<Tile> tile(kTileBlocks<Tile> * kRowTile * tile_stride<Tile>(chunk));
           std::vector<float> acc(groups * kRowTile * kLanes);
           for (; b < end; ++b) {
             const RowTask& task = tasks[b];
@@ -156,9 +157,9 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
               row_tile_by_tokens(
                   nr, [&](int i, int64_t k0, int64_t n, Tile* out) { widen(task, r0 + i, k0, n, out); }, here, next,
                   nn, sizeof(W), xt, block_scales(task), groups, K, chunk, tile.data(), acc.data());
-              for (int64_t j = 0; j < M; ++j)
-                for (int i = 0; i < nr; ++i)
-                  op[j * N + r0 + i] = static_cast<scalar_t>(acc[((j / kLanes) * kRowTile + i) * kLanes + j % kLanes]);
+              for (int64_t g = 0; g < groups; ++g)
+                store_tile_columns(reinterpret_cast<const float(*)[kLanes]>(acc.data() + g * kRowTile * kLanes), nr,
+                                   std::min<int64_t>(kLanes, M - g * kLanes), op + g * kLanes * N + r0, N);
             }
           }
         });

@@ -17,7 +17,8 @@
 //   - from there the tile path (gemv.h's row_tile_by_tokens, as linear.cpp's): the expert's tokens across the
 //     vector lanes, a few rows at a time widened into an L1-resident float32 buffer and broadcast against them,
 //     no horizontal sums; step 1 writes h in that layout for step 2. For FP8 rows and bfloat16 tokens on a CPU with
-//     bfloat16 dot products, both steps multiply bfloat16 pairs (gemv.h).
+//     bfloat16 dot products, both steps multiply bfloat16 pairs (gemv.h), on AMX tiles where the CPU has them
+//     (amx.h), which takes experts with 3 or more tokens to the tile path (gemv.h's pairs_direct_max).
 //
 // moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes. Below kAcrossLanesMinTokens
 // it has two forms: at most kE4m3DirectMaxTokens tokens, the direct path (tokens pre-multiplied by the row block's
@@ -278,8 +279,8 @@ void down_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const W
           he + p0 * len * kLanes, block_scales, pg, I, chunk, tile, acc);
       for (int64_t q = 0; q < pg; ++q) {
         const int64_t j0 = (p0 + q) * kLanes, n = std::min<int64_t>(kLanes, tokens - j0);
-        for (int64_t l = 0; l < n; ++l)
-          for (int i = 0; i < nr; ++i) ye[(j0 + l) * D + r0 + i] = acc[(q * kRowTile + i) * kLanes + l];
+        store_tile_columns(reinterpret_cast<const float(*)[kLanes]>(acc + q * kRowTile * kLanes), nr, n,
+                           ye + j0 * D + r0, D);
       }
     }
   }
@@ -441,7 +442,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   const bool down_pairs = pairs && bf16_pairs(x_.scalar_type(), I);
   // Experts up to direct_max tokens take the direct path in both steps (with bfloat16 pairs in both, further than
   // the float32 forms go: gemv.h's kPairsDirectMaxTokens), the others from kAcrossLanesMinTokens the tile path.
-  const int64_t direct_max = down_pairs ? kPairsDirectMaxTokens : kE4m3DirectMaxTokens;
+  const bool amx = down_pairs && amx_tiles();
+  const int64_t direct_max = down_pairs ? pairs_direct_max(amx) : kE4m3DirectMaxTokens;
   const UnpackOrder x_order(D, block_k), h_order(I, block_k);
   std::vector<int64_t> xo_row(pairs ? g.T : 0, -1), xo_token;
   if (pairs)
@@ -468,7 +470,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     hp[slot * I + r] = v;
     if (hbp != nullptr) hbp[slot * h_order.len + h_at[r]] = c10::BFloat16(v);
   };
-  AcrossLanes lanes = tile_tokens(g, I, std::max(kAcrossLanesMinTokens, direct_max + 1), pairs ? &x_order : nullptr,
+  AcrossLanes lanes = tile_tokens(g, I, amx ? direct_max + 1 : std::max(kAcrossLanesMinTokens, direct_max + 1),
+                                  pairs ? &x_order : nullptr,
                                   down_pairs ? &h_order : nullptr);
   const int64_t chunk = ceil_div(kColumnChunk, block_k) * block_k;  // tile columns: whole scale blocks
   // Rows the direct paths prefetch ahead, as in moe_experts (pair_ahead: of step 1's gate and up row pairs).
@@ -480,7 +483,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row
     std::vector<float> buf(2 * kE4m3DirectMaxTokens * D);
     std::vector<float> tile(pairs ? 0 : kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
-    std::vector<c10::BFloat16> tile16(pairs ? kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
+    const TileBuffer<c10::BFloat16> tile16(
+        pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
     float sums[2][kPairsDirectMaxTokens];  // the direct path's
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
     for (; b < end; ++b) {
@@ -490,6 +494,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const float* gate_scale = s13p + (e * 2 * nbI + task.row0 / block_n) * kbD;
       const float* up_scale = gate_scale + nbI * kbD;
       const auto gate_up = [&](int64_t r) { return we + r * s13r; };  // row r of [gate; up]
+      const auto row = [&](bool up, int64_t r) { return we + ((up ? I : 0) + r) * s13r; };
+      const auto bytes = [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); };
 #if GLM53_AVX512
       if (pairs && c1 - c0 <= direct_max) {
         const int n = static_cast<int>(c1 - c0);
@@ -502,6 +508,20 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           dot_rows_pairs(rows, next, 2, xs, n, gate_scale, up_scale - gate_scale, D, block_k, sums);
           for (int j = 0; j < n; ++j) put_h(c0 + j, r, clamped_swiglu(sums[0][j], sums[1][j], limit));
         }
+        continue;
+      }
+      if (pairs && lanes.groups(e) > 0) {  // the experts tile_tokens laid out
+        const auto tile_rows = [&](const auto& put) {
+          swiglu_tile(
+              task.row0, last, bytes, 1,
+              [&](bool up, int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) {
+                e4m3_unpacked(row(up, r) + k0, n, out);
+              },
+              [&](bool up) { return up ? up_scale : gate_scale; }, lanes.pairs_of(e, x_order.len), lanes.groups(e), D,
+              block_k, limit, put, tile16.data(), acc.data());
+        };
+        if (down_pairs) tile_rows(h_pairs(lanes.h_pairs_of(e, h_order.len), h_order.len, h_at.data()));
+        else tile_rows(h_lanes(lanes.h_of(e, I), I, g.h_type));
         continue;
       }
 #endif
@@ -564,24 +584,6 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         }
         continue;
       }
-      const auto row = [&](bool up, int64_t r) { return we + ((up ? I : 0) + r) * s13r; };
-      const auto bytes = [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); };
-#if GLM53_AVX512
-      if (pairs) {
-        const auto tile_rows = [&](const auto& put) {
-          swiglu_tile(
-              task.row0, last, bytes, 1,
-              [&](bool up, int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) {
-                e4m3_unpacked(row(up, r) + k0, n, out);
-              },
-              [&](bool up) { return up ? up_scale : gate_scale; }, lanes.pairs_of(e, x_order.len), lanes.groups(e), D,
-              block_k, limit, put, tile16.data(), acc.data());
-        };
-        if (down_pairs) tile_rows(h_pairs(lanes.h_pairs_of(e, h_order.len), h_order.len, h_at.data()));
-        else tile_rows(h_lanes(lanes.h_of(e, I), I, g.h_type));
-        continue;
-      }
-#endif
       swiglu_tile(
           task.row0, last, bytes, 1,
           [&](bool up, int64_t r, int64_t k0, int64_t n, float* out) {
@@ -597,7 +599,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
     std::vector<float> buf(std::max(kE4m3DirectMaxTokens, int64_t{2}) * I);  // direct: scaled h rows; few: two W2 rows
     std::vector<float> tile(down_pairs ? 0 : kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
-    std::vector<c10::BFloat16> tile16(down_pairs ? kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
+    const TileBuffer<c10::BFloat16> tile16(
+        down_pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
     float acc_direct[2][kPairsDirectMaxTokens];
     const float* hs[kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;

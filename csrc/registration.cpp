@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "amx.h"
 #include "common.h"
 
 namespace glm53 {
@@ -49,12 +50,16 @@ at::Tensor linear16(const at::Tensor& x, const at::Tensor& weight);
 void fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, at::IntArrayRef parts, int64_t block_n,
                     int64_t block_k, at::Tensor& out);
 
+// Whether the kernels multiply on AMX tiles (amx.h); ``enable`` turns them on (where the CPU has them) or off.
+bool amx_tiles_op(std::optional<bool> enable) { return enable ? set_amx_tiles(*enable) : amx_tiles(); }
+
 // "<isa> torch <version>": what this library was built for, checked by the loader and shown in its log line.
 std::string build_info() {
   std::string info = std::string(isa_name()) + " torch " + TORCH_VERSION;
 #if GLM53_AVX512
   if (has_bf16_dot()) info += ", bfloat16 dot products";
 #endif
+  if (amx_tiles()) info += ", AMX tiles";
   return info;
 }
 
@@ -62,6 +67,7 @@ std::string build_info() {
 
 TORCH_LIBRARY(vllm_glm53, m) {
   m.def("build_info() -> str", &glm53::build_info);
+  m.def("amx_tiles(bool? enable=None) -> bool", &glm53::amx_tiles_op);
   m.def("kda_varlen(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) pool, Tensor cu_seqlens,"
         " Tensor state_in, Tensor state_out, Tensor state_out_at) -> Tensor");
   m.def("causal_conv1d_varlen(Tensor x, Tensor weight, Tensor(a!) pool, Tensor cu_seqlens, Tensor state_in,"

@@ -29,12 +29,14 @@ import inspect
 import itertools
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_isas import ISA, ops, other_isas, rerun_on
+from kernel_isas import EMULATION_ENV, ISA, ops, other_isas, rerun_on
 from vllm_glm53.backends.cpu import build, kda, kernels, mhc, moe, norm
 from vllm_glm53.backends.cpu import linear as linear_ops
 from vllm_glm53.backends.cpu import indexer as ix
@@ -56,6 +58,20 @@ def test_loads_the_best_instruction_set_built_from_current_sources():
         assert build.up_to_date(isa), f"{build.library_path(isa).name} is missing or older than csrc/"
     assert ISA == (os.environ.get(kernels.ISA_ENV) or build.best_isa())
     assert ops.build_info().startswith(f"{ISA} torch ")
+
+
+def test_amx_tiles_exactly_where_the_cpu_has_them():
+    """The avx512 kernels multiply on AMX tiles (csrc/amx.h) where the CPU has AMX-BF16 and the OS grants the tile
+    state (Linux from 5.16), unless ``VLLM_GLM53_CPU_AMX=0``; the loader's log line says so. A process started with
+    the variable at 0 keeps them off."""
+    has = ISA == "avx512" and "amx_bf16" in build.cpu_flags() and not os.environ.get(EMULATION_ENV)
+    assert kernels.amx_tiles() == (has and os.environ.get(kernels.AMX_ENV, "1") != "0")
+    assert ("AMX tiles" in kernels.description()) == kernels.amx_tiles()
+    probe = ("from vllm_glm53.backends.cpu import kernels; "
+             "print(kernels.amx_tiles(), 'AMX tiles' in kernels.description())")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, kernels.AMX_ENV: "0"},
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.split() == ["False", "False"]
 
 
 @pytest.mark.parametrize("isa", other_isas())

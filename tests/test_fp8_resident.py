@@ -45,6 +45,24 @@ def test_other_instruction_sets(isa):
     rerun_on(isa, __file__, "other_instruction_sets or layer")
 
 
+@pytest.fixture(params=["dot products", "AMX tiles"])
+def bf16_products(request):
+    """Each way the avx512 kernels multiply bfloat16 tokens with E4M3 rows where the CPU offers both: its bfloat16
+    dot products and AMX tiles (csrc/amx.h: from 3 tokens), switched in this process; elsewhere the one way there
+    is, and the AMX case skipped saying why."""
+    from vllm_glm53.backends.cpu import kernels
+
+    before = kernels.amx_tiles()
+    on = kernels.set_amx_tiles(request.param == "AMX tiles")
+    try:
+        if request.param == "AMX tiles" and not on:
+            pytest.skip(f"no AMX tiles in {kernels.description()} (an Intel Xeon from Sapphire Rapids on)")
+        assert ("AMX tiles" in ops.build_info()) == on
+        yield request.param
+    finally:
+        kernels.set_amx_tiles(before)
+
+
 def _quantized(n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
     """A block-FP8 ``[n, k]`` weight whose block scales vary by powers of two (see the module docstring)."""
     w, s = quantize_block_fp8(torch.randn(n, k, generator=gen) / k**0.5, BLOCK)
@@ -65,7 +83,7 @@ def _fused(parts: list[int], k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
 # direct; direct (bfloat16 pairs where the CPU has them); tile; tile (avx2, avx512) / panels (portable); panels
 @pytest.mark.parametrize("M", [1, 4, 9, 33, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_every_e4m3_code_converts_exactly(M, dtype):
+def test_every_e4m3_code_converts_exactly(M, dtype, bf16_products):
     """All 256 codes (subnormals, both zeros, the largest +-448), through every kernel path, bfloat16 tokens'
     included (their E4M3 values read as bfloat16): one-hot tokens pick one column of a weight holding every code,
     scale 1. e4m3fn's two NaN codes read as +-480 (csrc/vec.h). Every value is exact in bfloat16."""
@@ -133,7 +151,7 @@ def test_fp8_linear_matches_dequantize_then_matmul(parts, K, M):
 # CPU has bfloat16 dot products: both rows against all tokens, in two passes at 11); tile (one token group at 8 on
 # avx2, 11 and 16 without bfloat16 dot products; three groups, the last partly empty)
 @pytest.mark.parametrize("M", [1, 3, 6, 8, 11, 16, 40])
-def test_fp8_linear_in_bfloat16(parts, K, M):
+def test_fp8_linear_in_bfloat16(parts, K, M, bf16_products):
     """bfloat16 activations: computed in float32 from the exact weights, rounded once to bfloat16. Where the CPU has
     bfloat16 dot products both paths multiply the E4M3 values as bfloat16 with the tokens in pairs of columns, each
     column block's sums times its scale (csrc/gemv.h): the products are still exact."""
@@ -154,7 +172,7 @@ def test_fp8_linear_in_bfloat16(parts, K, M):
 @pytest.mark.parametrize("block", [(32, 48), (48, 80)])
 @pytest.mark.parametrize("M", [1, 3, 11, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_fp8_linear_other_block_sizes(block, M, dtype):
+def test_fp8_linear_other_block_sizes(block, M, dtype, bf16_products):
     gen = _gen(M + block[1])
     K = 250
     weight, scale = quantize_block_fp8(torch.randn(200, K, generator=gen) / K**0.5, block)
@@ -256,7 +274,7 @@ def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
 # whole and a ragged column block of W2, and 4 x inter <= D for kernel_h.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T", [5, 8, 24, 40])
-def test_fp8_experts_16bit_tokens(T, dtype):
+def test_fp8_experts_16bit_tokens(T, dtype, bf16_products):
     gen = _gen(11 + T)
     D, inter = 560, 136
     w13, s13, w2, s2 = _expert_stacks(D, inter, gen)
@@ -346,16 +364,19 @@ def test_large_bfloat16_expert_batches_run_the_dequantized_models_loop(native_bf
     assert "fewer than" in fp8_ops._experts_bf16_check(x[:-1], w13, s13, w2, s2, *fewer, SWIGLU_LIMIT, BLOCK)
 
 
-@pytest.mark.parametrize("flags, cap, want", [
-    ({"avx512_bf16"}, None, (64, 64)), ({"avx512_bf16", "amx_bf16"}, None, (24, 24)),
-    ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", (64, 64)),
-    ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX", (24, 24))])
-def test_bf16_gemms_start_earlier_on_amx(monkeypatch, flags, cap, want):
-    """Where torch's bfloat16 GEMMs run on AMX tiles (the CPU has them, oneDNN is not capped below), the bf16_gemm
-    forms take over from 24 tokens / pairs per expert (the crossovers measured there), else from 64."""
-    from vllm_glm53.backends.cpu import build
+@pytest.mark.parametrize("flags, cap, kernel_amx, want", [
+    ({"avx512_bf16"}, None, False, (64, 64)), ({"avx512_bf16", "amx_bf16"}, None, False, (24, 24)),
+    ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", False, (64, 64)),
+    ({"avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX", False, (24, 24)),
+    ({"avx512_bf16", "amx_bf16"}, None, True, (256, 256))])
+def test_bf16_gemms_start_earlier_on_amx(monkeypatch, flags, cap, kernel_amx, want):
+    """Where torch's bfloat16 GEMMs run on AMX tiles (the CPU has them, oneDNN is not capped below) and the kernels
+    do not, the bf16_gemm forms take over from 24 tokens / pairs per expert (the crossovers measured there), else
+    from 64; where the kernels multiply on AMX tiles themselves, from 256."""
+    from vllm_glm53.backends.cpu import build, kernels
     from vllm_glm53.backends.cpu import linear as linear_ops
 
+    monkeypatch.setattr(kernels, "amx_tiles", lambda: kernel_amx)
     monkeypatch.setattr(build, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", *flags})
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     if cap is None:

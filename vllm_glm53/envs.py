@@ -46,6 +46,9 @@ VARIABLES: dict[str, Variable] = {
         Variable("VLLM_GLM53_CPU_KERNELS", "1", _FLAG, "0: the CPU ops run in plain PyTorch instead of the compiled kernels"),
         Variable("VLLM_GLM53_CPU_ISA", "auto", ("auto", "avx512", "avx2", "portable"),
                  "which compiled CPU kernel build to load: auto (the best this CPU runs) or force one it runs"),
+        Variable("VLLM_GLM53_CPU_AMX", "1", _FLAG,
+                 "0: the compiled CPU kernels leave AMX tiles unused (the AVX-512 bfloat16 dot products instead) on a "
+                 "CPU that has them"),
         Variable("VLLM_GLM53_CPU_TCMALLOC", "1", _FLAG,
                  "1: where the plugin's model serves on CPU, vLLM's engine and worker processes start with a tcmalloc "
                  "found on the machine first in LD_PRELOAD, unless it names an allocator already; 0: LD_PRELOAD is "

@@ -28,7 +28,7 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCES = ("registration.cpp", "kda.cpp", "indexer.cpp", "sparse_mla.cpp", "mhc.cpp", "moe.cpp", "linear.cpp",
            "norm.cpp")
-HEADERS = ("vec.h", "common.h", "gemv.h")
+HEADERS = ("vec.h", "common.h", "gemv.h", "amx.h")
 
 # Per instruction set, best first: the /proc/cpuinfo flags a CPU needs to run it and the compiler flags that make
 # vec.h compile that path. Explicit feature flags, not -march=native: the library runs on any CPU with them.

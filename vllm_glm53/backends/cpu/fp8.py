@@ -98,19 +98,28 @@ def fp8_weight_form_torch(block: tuple[int, int]) -> str:
 # (whole); Zen 5 with panels 0.96 / 1.05-1.11 / 0.85-0.97 / 0.92-1.10 / 0.80-0.96 / 0.82-0.84 / 0.75-0.76 at 24 / 32
 # / 40 / 48 / 64 / 96 / 128. Zen 5's kernels gain most from full-width 512-bit units (two bfloat16 dot products a
 # cycle), the panels move both CPUs' crossovers down: 64 tokens lies between them, and 64 pairs stays.
-# Where torch's bfloat16 GEMMs run on AMX tiles (the kernels do not use them) the GEMMs win much earlier. Intel Xeon
+# Where torch's bfloat16 GEMMs run on AMX tiles and the kernels do not (VLLM_GLM53_CPU_AMX=0) the GEMMs win much
+# earlier. Intel Xeon
 # with AMX (2 cores of a VM, its AVX-512 bfloat16 dot products at half a Zen 5's rate), the same measurements with
 # panels: the linear 1.20-1.25 / 0.71 / 0.75-0.78 / 0.62-0.63 / 0.64 / 0.52 / 0.39 at 16 / 24 / 32 / 40 / 48 / 64 / 96
 # tokens; experts 2.07 / 0.95 / 0.71 / 0.66 / 0.59 / 0.49 at 8 / 16 / 24 / 32 / 48 / 64 pairs per expert.
+# Where the kernels multiply on AMX tiles themselves (kernels.amx_tiles(): csrc/amx.h) they keep the products far
+# longer. Same machine, kernels on AMX, bf16_gemm's time / the kernel's: the linear 3.59 / 2.97 / 3.24 / 2.58 / 1.87 /
+# 1.48 at 16 / 24 / 32 / 64 / 128 / 192 tokens (from 256 the kernel's own panels run torch's float32 GEMM: 0.29);
+# experts 2.77 / 3.67 / 2.96 / 2.42 / 1.78 / 1.44 / 1.06 at 8 / 16 / 32 / 64 / 128 / 192 / 256 pairs per expert.
 BF16_GEMM_MIN_TOKENS = 64  # dense linears: tokens of the call
 BF16_GEMM_MIN_PAIRS = 64  # routed experts: mean (token, choice) pairs per expert
 AMX_BF16_GEMM_MIN_TOKENS = 24
 AMX_BF16_GEMM_MIN_PAIRS = 24
+KERNEL_AMX_BF16_GEMM_MIN_TOKENS = 256
+KERNEL_AMX_BF16_GEMM_MIN_PAIRS = 256
 
 
 def bf16_gemm_min() -> tuple[int, int]:
     """``(tokens, pairs per expert)`` from which a bfloat16 model's FP8 products run as bfloat16 GEMMs on this CPU
     (where it multiplies bfloat16 natively at all: :func:`_bf16_gemm_reason`)."""
+    if kernels.amx_tiles():
+        return KERNEL_AMX_BF16_GEMM_MIN_TOKENS, KERNEL_AMX_BF16_GEMM_MIN_PAIRS
     if amx_bf16():
         return AMX_BF16_GEMM_MIN_TOKENS, AMX_BF16_GEMM_MIN_PAIRS
     return BF16_GEMM_MIN_TOKENS, BF16_GEMM_MIN_PAIRS

@@ -7,7 +7,8 @@ Build with ``python -m vllm_glm53.backends.cpu.build`` (the set-up does).
 
 The loader takes the library of the best instruction set this CPU runs that was built (avx512, avx2, portable).
 ``VLLM_GLM53_CPU_ISA=avx2`` (or ``avx512`` / ``portable``) forces one, so an AVX-512 machine can test and
-measure the paths other CPUs get; engine processes inherit it. All libraries register the same op namespace,
+measure the paths other CPUs get; engine processes inherit it. ``VLLM_GLM53_CPU_AMX=0`` keeps the avx512 build off
+AMX tiles on a CPU that has them (:func:`amx_tiles`). All libraries register the same op namespace,
 so one process holds one of them: the tests check the other paths in a subprocess each.
 """
 
@@ -24,11 +25,13 @@ from vllm_glm53.backends.cpu import build
 logger = logging.getLogger(__name__)
 
 ISA_ENV = "VLLM_GLM53_CPU_ISA"
+AMX_ENV = "VLLM_GLM53_CPU_AMX"
 
 _lock = threading.Lock()
 _loaded: bool | None = None
 _isa: str | None = None
 _description = ""
+_amx: bool | None = None
 
 
 def requested_isas() -> list[str]:
@@ -56,6 +59,8 @@ def _load() -> tuple[str | None, str]:
     path = build.library_path(isa)
     try:
         torch.ops.load_library(str(path))
+        if not envs.flag(AMX_ENV):
+            torch.ops.vllm_glm53.amx_tiles(False)
         info = torch.ops.vllm_glm53.build_info()
     except (OSError, RuntimeError) as exc:
         return None, f"plain torch ({path.name} failed to load: {exc})"
@@ -90,3 +95,22 @@ def isa() -> str | None:
     """The instruction set of the loaded kernels (``avx512``, ``avx2``, ``portable``), None on the torch path."""
     ops()
     return _isa
+
+
+def amx_tiles() -> bool:
+    """Whether the loaded kernels multiply on AMX tiles (csrc/amx.h): the avx512 build on a CPU with AMX-BF16 whose
+    OS grants the tile state, unless ``VLLM_GLM53_CPU_AMX=0``. Read once, then kept (the dispatch asks per call)."""
+    global _amx
+    if _amx is None:
+        lib = ops()
+        _amx = bool(lib is not None and lib.amx_tiles())
+    return _amx
+
+
+def set_amx_tiles(on: bool) -> bool:
+    """Turn the kernels' AMX tiles on (where the CPU has them) or off, for tests and benchmarks that compare both
+    paths in one process; returns :func:`amx_tiles`."""
+    global _amx
+    lib = ops()
+    _amx = bool(lib is not None and lib.amx_tiles(on))
+    return _amx

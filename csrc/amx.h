@@ -1,0 +1,116 @@
+// AMX tiles (Intel Xeon from Sapphire Rapids on) for the block-FP8 products with bfloat16 tokens.
+//
+// The avx512 build's bfloat16 pairs (gemv.h) multiply a widened row tile with 16 tokens one column pair and one
+// vdpbf16ps at a time: 16 weights x 16 tokens per instruction. On an Intel Xeon with AMX that runs about one
+// instruction a cycle, so at 16 tokens fp8_linear multiplied ~3 G weights a second on a core that reads 15 GB/s
+// from memory (benchmarks/README.md). One tdpbf16ps multiplies a 16-row x 32-column tile of the same widened rows
+// with 16 tokens (16 x 16 x 32 products, ~16 cycles), so the conversion of the E4M3 bytes, not the products,
+// is left to bound the tile path, whatever the token count up to a group's 16: the tile path then runs from far
+// fewer tokens than the pairs' 13 (pairs_direct_max below).
+//
+// The operands are the pairs path's, unchanged: A = the row tile (16 rows of E4M3 values * 2^-8 as bfloat16 in
+// unpack order, e4m3_unpacked), B = the token pairs across the lanes (token_pairs_across_lanes: per pair of
+// positions a 64-byte row of 16 tokens, which is the VNNI layout tdpbf16ps takes), C = 16 rows x 16 tokens of
+// float32, stored once per column block and added to the running sums times the block's scale, as the pairs path
+// does. tdpbf16ps rounds as vdpbf16ps does (exact products, float32 sums, inputs and results below 2^-126 flushed
+// to zero); only the order of the sums differs.
+//
+// The tiles need the CPU's AMX-TILE and AMX-BF16 and the kernel's leave to use their state (Linux's
+// arch_prctl(ARCH_REQ_XCOMP_PERM), asked for once). amx_tiles() says whether the kernels use them; the op of the
+// same name turns them off (VLLM_GLM53_CPU_AMX=0, and the tests, which check both paths on such a CPU). Each use
+// configures the tiles (oneDNN's GEMMs configure their own on the same threads in between) and releases them.
+#pragma once
+
+#include <atomic>
+
+#include "vec.h"
+
+#if GLM53_AVX512 && !defined(GLM53_EMULATED_AVX512)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define GLM53_HAS_AMX 1
+#define GLM53_AMX __attribute__((target("amx-tile,amx-bf16")))
+#else
+#define GLM53_HAS_AMX 0  // the emulated avx512 build (tests) has no tiles
+#endif
+
+namespace glm53 {
+
+// Whether this CPU and OS let the kernels use AMX bfloat16 tiles (asks the OS for the tile state once).
+inline bool amx_supported() {
+#if GLM53_HAS_AMX
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // <asm/prctl.h>, the XTILEDATA state component
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+inline std::atomic<bool>& amx_switch() {
+  static std::atomic<bool> on{amx_supported()};
+  return on;
+}
+
+// Whether the kernels multiply on AMX tiles now.
+inline bool amx_tiles() { return amx_switch().load(std::memory_order_relaxed); }
+
+// Turns the tiles on (where amx_supported()) or off; returns amx_tiles().
+inline bool set_amx_tiles(bool on) {
+  amx_switch().store(on && amx_supported(), std::memory_order_relaxed);
+  return amx_tiles();
+}
+
+#if GLM53_HAS_AMX
+// Tiles 0 and 1: C, 16 rows x 16 float32; tiles 2 and 3: A, 16 rows x 32 bfloat16; tiles 4 and 5: B, 16 pairs x
+// 16 tokens. Two of each, so consecutive products use different tiles (tile registers are not renamed: a load into
+// a tile waits for the product reading it). A constant in memory: GCC 12's _tile_loadconfig tells the compiler it
+// reads only the first 8 bytes of its operand, so a configuration built on the stack lost its other stores (and
+// the first tile instruction faulted).
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+inline constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16}};
+
+GLM53_AMX inline void amx_configure() { _tile_loadconfig(&kTileConfig); }
+GLM53_AMX inline void amx_release() { _tile_release(); }
+
+// (GCC's tile intrinsics paste their tile numbers into the instruction's text: literals only, hence the branches.)
+template <int C>
+[[gnu::always_inline]] GLM53_AMX inline void amx_zero() {
+  if constexpr (C == 0) _tile_zero(0);
+  else _tile_zero(1);
+}
+
+// C += 16 bfloat16 rows (``row_bytes`` apart, 32 values each from ``rows``) times 16 tokens' pairs of those 32
+// positions (``x``: 16 rows of 16 pairs, token_pairs_across_lanes' layout), on the A and B tiles of parity P.
+template <int C, int P>
+[[gnu::always_inline]] GLM53_AMX inline void amx_product(const c10::BFloat16* rows, int64_t row_bytes,
+                                                         const uint32_t* x) {
+  constexpr int64_t kPairRow = kLanes * sizeof(uint32_t);
+  if constexpr (P == 0) {
+    _tile_loadd(2, rows, row_bytes);
+    _tile_loadd(4, x, kPairRow);
+    if constexpr (C == 0) _tile_dpbf16ps(0, 2, 4);
+    else _tile_dpbf16ps(1, 2, 4);
+  } else {
+    _tile_loadd(3, rows, row_bytes);
+    _tile_loadd(5, x, kPairRow);
+    if constexpr (C == 0) _tile_dpbf16ps(0, 3, 5);
+    else _tile_dpbf16ps(1, 3, 5);
+  }
+}
+
+template <int C>
+[[gnu::always_inline]] GLM53_AMX inline void amx_store(float (*c)[kLanes]) {
+  if constexpr (C == 0) _tile_stored(0, c, kLanes * sizeof(float));
+  else _tile_stored(1, c, kLanes * sizeof(float));
+}
+#endif
+
+}  // namespace glm53
