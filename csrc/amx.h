@@ -6,7 +6,7 @@
 // from memory (benchmarks/README.md). One tdpbf16ps multiplies a 16-row x 32-column tile of the same widened rows
 // with 16 tokens (16 x 16 x 32 products, ~16 cycles), so the conversion of the E4M3 bytes, not the products,
 // is left to bound the tile path, whatever the token count up to a group's 16: the tile path then runs from far
-// fewer tokens than the pairs' 13 (pairs_direct_max below).
+// fewer tokens than the pairs' 13 (gemv.h's pairs_direct_max).
 //
 // The operands are the pairs path's, unchanged: A = the row tile (16 rows of E4M3 values * 2^-8 as bfloat16 in
 // unpack order, e4m3_unpacked), B = the token pairs across the lanes (token_pairs_across_lanes: per pair of

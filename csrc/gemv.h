@@ -520,9 +520,10 @@ constexpr int64_t tile_token_len(int64_t K, int64_t chunk) {
 #if GLM53_HAS_AMX
 // row_tile_by_tokens' bfloat16 form on AMX tiles (amx.h), ``tile`` holding two column blocks of kRowTile rows.
 // A column block's products go to the tiles 32 positions at a time, and between them the rows' next block is
-// widened into the other half of the buffer, a few rows each time, so the vector units convert while the tiles
-// multiply (issued one after the other, the two took their sum: 7 + 5 cycles per 64 weights from cache on the
-// Intel Xeon, 16 rows x 4,096 columns against 16 tokens). Then the block's sums are scaled into acc. Consecutive
+// widened into the other half of the buffer, a few rows each time, so a core that can convert while its tiles
+// multiply may. On the Intel Xeon VM measured it did not: ~7 cycles per 64 weights for the widening and ~2-4 for
+// the tiles from cache (16 rows x 4,096 columns, 16 tokens) added up either way. Then the block's sums are scaled
+// into acc. Consecutive
 // blocks use different C tiles, consecutive products different A and B tiles (amx.h). No lambdas here: they would
 // not take the function's target, and the tile helpers would be calls.
 
