@@ -111,6 +111,34 @@ template <int C>
   if constexpr (C == 0) _tile_stored(0, c, kLanes * sizeof(float));
   else _tile_stored(1, c, kLanes * sizeof(float));
 }
+
+// c0 = rows0 . x and, with rows1, c1 = rows1 . x over len columns (a multiple of 32): 16 bfloat16 rows each,
+// ``row_bytes`` apart, loaded into the A tiles as they lie in memory (a bfloat16 weight needs no conversion), x
+// 16 tokens' column pairs in order (B: token_pairs_in_order's layout). Two row sets (an expert's gate and up rows)
+// share each load of the tokens. The tiles must be configured (amx_configure).
+GLM53_AMX inline void amx_rows_by_pairs(const c10::BFloat16* rows0, const c10::BFloat16* rows1, int64_t row_bytes,
+                                        const uint32_t* x, int64_t len, float (*c0)[kLanes], float (*c1)[kLanes]) {
+  constexpr int64_t kPairRow = kLanes * sizeof(uint32_t);
+  _tile_zero(0);
+  if (rows1 != nullptr) {
+    _tile_zero(1);
+    for (int64_t p = 0; p < len; p += 32) {
+      _tile_loadd(4, x + p / 2 * kLanes, kPairRow);
+      _tile_loadd(2, rows0 + p, row_bytes);
+      _tile_loadd(3, rows1 + p, row_bytes);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(1, 3, 4);
+    }
+    _tile_stored(1, c1, kLanes * sizeof(float));
+  } else {
+    for (int64_t p = 0; p < len; p += 32) {
+      _tile_loadd(4, x + p / 2 * kLanes, kPairRow);
+      _tile_loadd(2, rows0 + p, row_bytes);
+      _tile_dpbf16ps(0, 2, 4);
+    }
+  }
+  _tile_stored(0, c0, kLanes * sizeof(float));
+}
 #endif
 
 }  // namespace glm53

@@ -303,6 +303,25 @@ void token_pairs_across_lanes(const RowOf& row, int64_t M, const UnpackOrder& or
   }
 }
 
+// xp[(g * K / 2 + p) * kLanes + lane]: token (g * kLanes + lane)'s columns 2p (low half) and 2p + 1 as bfloat16
+// (exact for bfloat16 tokens), zero past the last token: the B tiles of AMX's bfloat16 products (amx.h) for rows
+// in column order. K even.
+template <typename RowOf>
+void token_pairs_in_order(const RowOf& row, int64_t M, int64_t K, uint32_t* xp) {
+  const int64_t P = K / 2, groups = ceil_div(M, kLanes);
+  if (M % kLanes != 0) std::fill_n(xp + (groups - 1) * P * kLanes, P * kLanes, 0u);
+  std::vector<c10::BFloat16> b(K);
+  for (int64_t j = 0; j < M; ++j) {
+    const float* src = row(j);
+    for (int64_t k = 0; k < K; k += kLanes) {
+      const int m = static_cast<int>(std::min<int64_t>(kLanes, K - k));
+      store(b.data() + k, load(src + k, m), m);
+    }
+    uint32_t* dst = xp + (j / kLanes) * P * kLanes + j % kLanes;
+    for (int64_t p = 0; p < P; ++p) std::memcpy(dst + p * kLanes, b.data() + 2 * p, 4);
+  }
+}
+
 // E4M3 bytes w[0, n) as the bfloat16 values of value * 2^-8 (exact) in unpack order (vec.h's unpacked_half), 64
 // columns at a time: ceil(n / 64) * 64 values, zero past n. The tile path's widening; from L1, one Zen 5 core, 16
 // rows of 128 columns: 42-44 GB/s of E4M3 against 32-35 for byte lookups in column order, whose three shuffles

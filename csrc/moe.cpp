@@ -19,6 +19,8 @@
 //     no horizontal sums; step 1 writes h in that layout for step 2. For FP8 rows and bfloat16 tokens on a CPU with
 //     bfloat16 dot products, both steps multiply bfloat16 pairs (gemv.h), on AMX tiles where the CPU has them
 //     (amx.h), which takes experts with 3 or more tokens to the tile path (gemv.h's pairs_direct_max).
+//   - bfloat16 weights and tokens on a CPU with AMX tiles, from kAmxExpertMinPairs pairs per used expert: every
+//     expert on the tiles, the weight rows loaded as they lie (experts_bf16_amx).
 //
 // moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes. Below kAcrossLanesMinTokens
 // it has two forms: at most kE4m3DirectMaxTokens tokens, the direct path (tokens pre-multiplied by the row block's
@@ -28,6 +30,7 @@
 // at a time. The tile path dequantizes its rows. It serves every batch size, prefill included: there is no
 // dequantized copy for torch's GEMMs to use.
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -286,6 +289,92 @@ void down_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const W
   }
 }
 
+#if GLM53_HAS_AMX
+// Mean (token, choice) pairs per used expert from which bfloat16 experts run on AMX tiles. With fewer the dot
+// products read the weights about as fast as the tiles do (warm, one core: 0.86x the tiles' time at 1 token an
+// expert, 0.85-0.93x at 4); cold, 2 threads, AMX's time / the dot products': 0.94 / 0.50 / 0.42 at 4 / 8 / 16 pairs
+// (64 experts, hidden 512), 0.68 / 0.58 / 0.47 (16 experts of the released size).
+constexpr int64_t kAmxExpertMinPairs = 4;
+
+// Steps 1 and 2 for bfloat16 weights and tokens on AMX tiles (amx.h), every expert with tokens, any count: the
+// weight rows are loaded into the tiles as they lie in memory (nothing to convert), against the expert's tokens 16 at
+// a time as column pairs (token_pairs_in_order); step 1 writes h (bfloat16, as as_h rounds it) in that layout for
+// step 2. Returns y [P, D]. D and I multiples of 32 (a tile row's 32 columns).
+at::Tensor experts_bf16_amx(const Routing& g, const at::Tensor& w13, const at::Tensor& w2, int64_t I, float limit) {
+  const int64_t D = g.D, E = g.E, Dp = D / 2, Ip = I / 2;
+  std::vector<int64_t> group0(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) group0[e + 1] = group0[e] + ceil_div(g.count[e], kLanes);
+  const auto ints = g.x.options().dtype(at::kInt);
+  const at::Tensor xt = at::empty({group0[E] * Dp * kLanes}, ints), ht = at::empty({group0[E] * Ip * kLanes}, ints);
+  uint32_t* xtp = reinterpret_cast<uint32_t*>(xt.data_ptr<int32_t>());
+  uint32_t* htp32 = reinterpret_cast<uint32_t*>(ht.data_ptr<int32_t>());
+  const float* xp = g.x.data_ptr<float>();
+  at::parallel_for(0, E, 1, [&](int64_t e, int64_t end) {
+    for (; e < end; ++e)
+      if (g.count[e] > 0)
+        token_pairs_in_order([&](int64_t j) { return xp + g.token_at[g.start[e] + j] * D; }, g.count[e], D,
+                             xtp + group0[e] * Dp * kLanes);
+  });
+  at::Tensor y = at::empty({g.P, D}, g.x.options());
+  float* yp = y.data_ptr<float>();
+  const auto* w13p = w13.data_ptr<c10::BFloat16>();
+  const auto* w2p = w2.data_ptr<c10::BFloat16>();
+  const int64_t s13e = w13.stride(0), s13r = w13.stride(1), s2e = w2.stride(0), s2r = w2.stride(1);
+
+  // 1. h = clamped_swiglu(W13_e x): a task's 16 gate rows and their up rows against each group of the expert's tokens
+  const std::vector<Task> up_tasks = expert_tasks(g.count, I);
+  at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
+    alignas(64) float gate[kLanes][kLanes], up[kLanes][kLanes];
+    amx_configure();
+    for (; b < end; ++b) {
+      const Task& task = up_tasks[b];
+      const int64_t e = task.expert;
+      const c10::BFloat16* rows = w13p + e * s13e + task.row0 * s13r;
+      for (int64_t q = 0; q < ceil_div(g.count[e], kLanes); ++q) {
+        const int64_t group = group0[e] + q;
+        amx_rows_by_pairs(rows, rows + I * s13r, s13r * 2, xtp + group * Dp * kLanes, D, gate, up);
+        // h of a row pair in vectors (lanes past the tokens: swiglu(0, 0) = 0), as pairs of columns: a scalar
+        // clamped_swiglu per value (libm's exp) took about half the call at 16 tokens
+        for (int i = 0; i < task.rows; i += 2) {
+          alignas(64) c10::BFloat16 h[2][kLanes];
+          for (int q = 0; q < 2; ++q) {
+            const __m512 gv = _mm512_min_ps(_mm512_load_ps(gate[i + q]), _mm512_set1_ps(limit));
+            const __m512 uv = _mm512_max_ps(_mm512_min_ps(_mm512_load_ps(up[i + q]), _mm512_set1_ps(limit)),
+                                            _mm512_set1_ps(-limit));
+            const F16 e = exp(F16{_mm512_sub_ps(_mm512_setzero_ps(), gv)});
+            store(h[q], F16{_mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e.v)), uv)});
+          }
+          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(h[0])));
+          const __m512i hi = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(h[1])));
+          _mm512_storeu_si512(htp32 + (group * Ip + (task.row0 + i) / 2) * kLanes,
+                              _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+      }
+    }
+    amx_release();
+  });
+
+  // 2. y = W2_e h: a task's 16 rows of W2 against each group of the expert's h
+  const std::vector<Task> down_tasks = expert_tasks(g.count, D);
+  at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
+    alignas(64) float c[kLanes][kLanes];
+    amx_configure();
+    for (; b < end; ++b) {
+      const Task& task = down_tasks[b];
+      const int64_t e = task.expert;
+      for (int64_t q = 0; q < ceil_div(g.count[e], kLanes); ++q) {
+        const int64_t n = std::min<int64_t>(kLanes, g.count[e] - q * kLanes);
+        amx_rows_by_pairs(w2p + e * s2e + task.row0 * s2r, nullptr, s2r * 2,
+                          htp32 + (group0[e] + q) * Ip * kLanes, I, c, nullptr);
+        store_tile_columns(c, task.rows, n, yp + (g.start[e] + q * kLanes) * D + task.row0, D);
+      }
+    }
+    amx_release();
+  });
+  return y;
+}
+#endif
+
 }  // namespace
 
 // x [T, D] (float32 / bf16 / fp16), w13 [E, 2I, D] (rows: I gate, then I up), w2 [E, D, I] (w13's dtype, any
@@ -298,6 +387,14 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
   if (P == 0 || D == 0) return at::zeros({g.T, D}, x_.options().dtype(at::kFloat));
   at::Tensor w13 = rows_contiguous(w13_), w2 = rows_contiguous(w2_);
   const float limit = static_cast<float>(swiglu_limit);
+#if GLM53_HAS_AMX
+  // bfloat16 weights and tokens on a CPU with AMX tiles, kAmxExpertMinPairs or more pairs per used expert: on them
+  // (experts_bf16_amx)
+  if (x_.scalar_type() == at::kBFloat16 && w13.scalar_type() == at::kBFloat16 && D % 32 == 0 && I % 32 == 0 &&
+      P >= kAmxExpertMinPairs * std::count_if(g.count.begin(), g.count.end(), [](int64_t c) { return c > 0; }) &&
+      amx_tiles())
+    return combine_pairs(g, experts_bf16_amx(g, w13, w2, I, limit));
+#endif
   const std::vector<int64_t>&count = g.count, &start = g.start, &token_at = g.token_at;
   at::Tensor h = at::empty({P, I}, g.x.options()), y = at::empty({P, D}, g.x.options());
   const float* xp = g.x.data_ptr<float>();

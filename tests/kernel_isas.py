@@ -95,3 +95,19 @@ def rerun_on(isa: str, module: str, deselect: str, timeout: int = 600) -> None:
         env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{isa}:\n{proc.stdout[-8000:]}{proc.stderr[-2000:]}"
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+@pytest.fixture(params=["dot products", "AMX tiles"])
+def bf16_products(request):
+    """Each way the avx512 kernels multiply bfloat16 tokens where the CPU offers both: its bfloat16 dot products (or
+    float32 for bfloat16 weights) and AMX tiles (csrc/amx.h), switched in this process; elsewhere the one way there
+    is, and the AMX case skipped saying why."""
+    before = kernels.amx_tiles()
+    on = kernels.set_amx_tiles(request.param == "AMX tiles")
+    try:
+        if request.param == "AMX tiles" and not on:
+            pytest.skip(f"no AMX tiles in {kernels.description()} (an Intel Xeon from Sapphire Rapids on)")
+        assert ops is None or ("AMX tiles" in ops.build_info()) == on
+        yield request.param
+    finally:
+        kernels.set_amx_tiles(before)

@@ -36,7 +36,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_isas import EMULATION_ENV, ISA, ops, other_isas, rerun_on
+from kernel_isas import EMULATION_ENV, ISA, bf16_products, ops, other_isas, rerun_on  # noqa: F401
 from vllm_glm53.backends.cpu import build, kda, kernels, mhc, moe, norm
 from vllm_glm53.backends.cpu import linear as linear_ops
 from vllm_glm53.backends.cpu import indexer as ix
@@ -715,6 +715,31 @@ def test_moe_experts_match_torch(T, k, dtype):
         loop = moe.routed_experts_torch(x, w13, w2, ids.long(), weights, SWIGLU_LIMIT)
         # measured (ulps of max|reference|, avx2 / portable / avx512): 0.87 on all, in bfloat16 ulps
         _close(got.bfloat16(), loop.bfloat16(), ulps=4)
+
+
+# bfloat16 experts and tokens with a hidden and an intermediate size that are multiples of a tile row's 32 columns,
+# so that on a CPU with AMX tiles the kernel takes them from 4 pairs per used expert (csrc/moe.cpp): T = 3 (1-2
+# pairs: the dot products), 16 (8), 33 (two token groups for the hot expert), 400 (19 groups).
+@pytest.mark.parametrize("T", [3, 16, 33, 400])
+def test_bf16_experts_on_amx_tiles(T, bf16_products):
+    D, inter = 256, 64  # 4 x inter <= D (kernel_h)
+    gen = _gen(61 + T)
+    x = torch.randn(T, D, generator=gen).bfloat16()
+    w13 = (torch.randn(MOE_E, 2 * inter, D, generator=gen) / D**0.5).bfloat16()
+    w2 = (torch.randn(MOE_E, D, inter, generator=gen) / inter**0.5).bfloat16()
+    keys = torch.rand(T, len(MOE_USED), generator=gen)
+    keys[torch.arange(T) % 4 != 3, MOE_USED.index(MOE_HOT)] += 1.0
+    ids = torch.tensor(MOE_USED)[keys.topk(2, dim=-1).indices].int()
+    weights = torch.rand(T, 2, generator=gen)
+    got = ops.moe_experts(x, w13, w2, ids, weights, SWIGLU_LIMIT)
+    h = kernel_h(lambda w2_probe: ops.moe_experts(x, w13, w2_probe.bfloat16(), ids, weights, SWIGLU_LIMIT), ids,
+                 weights, inter, MOE_E, D)
+    h = check_rounded_h(h, x, w13, ids, SWIGLU_LIMIT, torch.bfloat16)
+    # measured (float32 ulps of max|float64 reference|, AMX tiles / the other paths, avx512, avx2, portable alike):
+    # 0.83 / 1.8; against the bfloat16 loop 0.67 bfloat16 ulps on all
+    _close(got.double(), experts_down(h, w2, ids, weights), ulps=F32_ULPS * 12)
+    loop = moe.routed_experts_torch(x, w13, w2, ids.long(), weights, SWIGLU_LIMIT)
+    _close(got.bfloat16(), loop.bfloat16(), ulps=4)
 
 
 def test_moe_experts_float32_tokens_with_bf16_weights():

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_isas import EMULATION_ENV, ISA, ops, other_isas, rerun_on
+from kernel_isas import EMULATION_ENV, ISA, bf16_products, ops, other_isas, rerun_on  # noqa: F401
 from test_cpu_kernels import F32_ULPS, _close, _gen, check_rounded_h, experts_down, kernel_h
 from vllm_glm53.backends import dispatch
 from vllm_glm53.backends.cpu import build
@@ -43,24 +43,6 @@ pytestmark = pytest.mark.usefixtures("compiled_kernels")
 @pytest.mark.parametrize("isa", other_isas())
 def test_other_instruction_sets(isa):
     rerun_on(isa, __file__, "other_instruction_sets or layer")
-
-
-@pytest.fixture(params=["dot products", "AMX tiles"])
-def bf16_products(request):
-    """Each way the avx512 kernels multiply bfloat16 tokens with E4M3 rows where the CPU offers both: its bfloat16
-    dot products and AMX tiles (csrc/amx.h: from 3 tokens), switched in this process; elsewhere the one way there
-    is, and the AMX case skipped saying why."""
-    from vllm_glm53.backends.cpu import kernels
-
-    before = kernels.amx_tiles()
-    on = kernels.set_amx_tiles(request.param == "AMX tiles")
-    try:
-        if request.param == "AMX tiles" and not on:
-            pytest.skip(f"no AMX tiles in {kernels.description()} (an Intel Xeon from Sapphire Rapids on)")
-        assert ("AMX tiles" in ops.build_info()) == on
-        yield request.param
-    finally:
-        kernels.set_amx_tiles(before)
 
 
 def _quantized(n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
