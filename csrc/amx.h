@@ -1,4 +1,5 @@
-// AMX tiles (Intel Xeon from Sapphire Rapids on) for the block-FP8 products with bfloat16 tokens.
+// AMX tiles (Intel Xeon from Sapphire Rapids on) for the products with bfloat16 tokens: block-FP8 weights (the tile
+// path of fp8_linear and moe_experts_fp8) and bfloat16 experts (moe_experts).
 //
 // The avx512 build's bfloat16 pairs (gemv.h) multiply a widened row tile with 16 tokens one column pair and one
 // vdpbf16ps at a time: 16 weights x 16 tokens per instruction. On an Intel Xeon with AMX that runs about one
@@ -14,6 +15,9 @@
 // float32, stored once per column block and added to the running sums times the block's scale, as the pairs path
 // does. tdpbf16ps rounds as vdpbf16ps does (exact products, float32 sums, inputs and results below 2^-126 flushed
 // to zero); only the order of the sums differs.
+//
+// bfloat16 weights need no conversion: their rows are the A tiles as they lie in memory, against the tokens' column
+// pairs in order (amx_rows_by_pairs; moe.cpp's experts_bf16_amx).
 //
 // The tiles need the CPU's AMX-TILE and AMX-BF16 and the kernel's leave to use their state (Linux's
 // arch_prctl(ARCH_REQ_XCOMP_PERM), asked for once). amx_tiles() says whether the kernels use them; the op of the
@@ -31,7 +35,7 @@
 #define GLM53_HAS_AMX 1
 #define GLM53_AMX __attribute__((target("amx-tile,amx-bf16")))
 #else
-#define GLM53_HAS_AMX 0  // the emulated avx512 build (tests) has no tiles
+#define GLM53_HAS_AMX 0  // avx2, portable, and the emulated avx512 build (tests)
 #endif
 
 namespace glm53 {
