@@ -491,9 +491,18 @@ constexpr int64_t kPairsDirectMaxTokens = GLM53_AVX512 ? 12 : kE4m3DirectMaxToke
 // With AMX tiles (amx.h) the tile path costs about the rows' conversion for any count up to a group's 16, so the
 // direct path keeps only the counts where it reads the rows as fast. fp8_linear 4096 x 4096 from the L3, one core
 // of the Intel Xeon, tile path on AMX / direct path: 1.01 / 0.99 / 0.88 / 0.78 / 0.57 / 0.30 at 1 / 2 / 3 / 4 / 8 / 16
-// tokens. ``amx``: amx_tiles(), read once by the caller.
-constexpr int64_t kAmxDirectMaxTokens = 2;
-inline int64_t pairs_direct_max(bool amx) { return amx ? kAmxDirectMaxTokens : kPairsDirectMaxTokens; }
+// tokens. Shorter rows weigh the tile path's fixed costs (the tile configuration, the token layout, the row tile's
+// setup) more: caches flushed, 2 threads, AMX's time / the direct path's at 3 / 4 / 6 tokens: fp8_linear 2048 x 512
+// 1.18 / 1.02 / 0.95, 2048 x 2048 1.10 / 1.08 / 0.88; 8 FP8 experts of hidden 512 (intermediate 256) 1.33 / 1.11 /
+// 1.05 (8 tokens: 0.87), of the released size 0.93 / 0.89 / 0.72. ``amx``: amx_tiles(), read once by the caller;
+// K: the row length (for experts, the hidden size: step 1's rows, two thirds of an expert's bytes).
+constexpr int64_t kAmxDirectMaxTokens = 2;           // rows of kAmxLongRow columns or more
+constexpr int64_t kAmxShortRowDirectMaxTokens = 5;   // shorter rows
+constexpr int64_t kAmxLongRow = 4096;
+inline int64_t pairs_direct_max(bool amx, int64_t K) {
+  if (!amx) return kPairsDirectMaxTokens;
+  return K >= kAmxLongRow ? kAmxDirectMaxTokens : kAmxShortRowDirectMaxTokens;
+}
 
 // Whether block-FP8 products take the bfloat16 pairs above (direct path and tiles) for tokens of dtype ``tokens``
 // and K columns: an avx512 build on a CPU with bfloat16 dot products, bfloat16 tokens (exact as bfloat16), K even.

@@ -17,7 +17,8 @@
 //           buffer, are broadcast against them (gemv.h's rows_by_tokens: no horizontal sums, one token load per
 //           column for all the rows); FP8 rows and bfloat16 tokens on a CPU with bfloat16 dot products: E4M3 values
 //           as bfloat16 against token pairs (rows_by_token_pairs), 1.3-1.5x faster from 16 to 128 tokens; on AMX
-//           tiles where the CPU has them (amx.h), from 3 tokens (pairs_direct_max), 3.3x the pairs' speed at 16;
+//           tiles where the CPU has them (amx.h), from 3 tokens (6 for rows under 4,096 columns: pairs_direct_max),
+//           3.3x the pairs' speed at 16;
 //   panels  (more tokens: prefill): consecutive tasks make a panel of about kPanelBytes of
 //           float32 rows; all threads widen / dequantize the panel into a buffer, then torch's float32 GEMM
 //           multiplies it with the tokens into the panel's output columns. The conversion is paid once per weight
@@ -133,7 +134,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
     // kPairsDirectMaxTokens tokens.
     constexpr bool kMayPair = std::is_same_v<W, E4m3> && std::is_same_v<scalar_t, c10::BFloat16>;
     const bool direct_pairs = kMayPair && bf16_pairs(at::kBFloat16, K);
-    if (M > (direct_pairs ? pairs_direct_max(amx_tiles()) : Rows::kDirectMax)) {
+    if (M > (direct_pairs ? pairs_direct_max(amx_tiles(), K) : Rows::kDirectMax)) {
       const int64_t groups = ceil_div(M, kLanes);
       // Every task's rows, kRowTile at a time, against all token groups xt, ``chunk`` columns at a time; widen(task,
       // r, k0, n, out) writes row r's columns [k0, k0 + n) into a Tile-typed buffer, block_scales(task) is what

@@ -18,7 +18,8 @@
 //     vector lanes, a few rows at a time widened into an L1-resident float32 buffer and broadcast against them,
 //     no horizontal sums; step 1 writes h in that layout for step 2. For FP8 rows and bfloat16 tokens on a CPU with
 //     bfloat16 dot products, both steps multiply bfloat16 pairs (gemv.h), on AMX tiles where the CPU has them
-//     (amx.h), which takes experts with 3 or more tokens to the tile path (gemv.h's pairs_direct_max).
+//     (amx.h), which takes experts with 3 or more tokens (6 below a hidden size of 4,096) to the tile path (gemv.h's
+//     pairs_direct_max).
 //   - bfloat16 weights and tokens on a CPU with AMX tiles, from kAmxExpertMinPairs pairs per used expert: every
 //     expert on the tiles, the weight rows loaded as they lie (experts_bf16_amx).
 //
@@ -540,7 +541,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   // Experts up to direct_max tokens take the direct path in both steps (with bfloat16 pairs in both, further than
   // the float32 forms go: gemv.h's kPairsDirectMaxTokens), the others from kAcrossLanesMinTokens the tile path.
   const bool amx = down_pairs && amx_tiles();
-  const int64_t direct_max = down_pairs ? pairs_direct_max(amx) : kE4m3DirectMaxTokens;
+  const int64_t direct_max = down_pairs ? pairs_direct_max(amx, D) : kE4m3DirectMaxTokens;
   const UnpackOrder x_order(D, block_k), h_order(I, block_k);
   std::vector<int64_t> xo_row(pairs ? g.T : 0, -1), xo_token;
   if (pairs)
