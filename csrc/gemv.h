@@ -281,35 +281,12 @@ struct UnpackOrder {
 // (rows_by_token_pairs) widens a column block of kRowTile rows into L1 and broadcasts its pairs against the tokens
 // laid across the lanes in pairs of columns, both in unpack order too.
 
-// xp[(g * order.len / 2 + p) * kLanes + lane]: token (g * kLanes + lane)'s values at positions 2p (low half) and
-// 2p + 1 of its row in unpack order (UnpackOrder keeps columns 2c and 2c + 1 side by side, 2c first) as bfloat16
-// (rounded to nearest even: exact for bfloat16 tokens), zero in the padding and past the last token. K even; at:
-// order.positions().
-template <typename RowOf>
-void token_pairs_across_lanes(const RowOf& row, int64_t M, const UnpackOrder& order, const int64_t* at,
-                              uint32_t* xp) {
-  const int64_t P = order.len / 2, groups = ceil_div(M, kLanes);
-  if (order.padded()) std::fill_n(xp, groups * P * kLanes, 0u);
-  else if (M % kLanes != 0) std::fill_n(xp + (groups - 1) * P * kLanes, P * kLanes, 0u);
-  std::vector<c10::BFloat16> b(order.K);
-  for (int64_t j = 0; j < M; ++j) {
-    const float* src = row(j);
-    for (int64_t k = 0; k < order.K; k += kLanes) {  // rounded in vectors (a scalar rounding per value was a tenth
-      const int m = static_cast<int>(std::min<int64_t>(kLanes, order.K - k));  // of an AMX call's time)
-      store(b.data() + k, load(src + k, m), m);
-    }
-    uint32_t* dst = xp + (j / kLanes) * P * kLanes + j % kLanes;
-    for (int64_t p = 0; p < order.K / 2; ++p) std::memcpy(dst + at[2 * p] / 2 * kLanes, b.data() + 2 * p, 4);
-  }
-}
-
-// xp[(g * K / 2 + p) * kLanes + lane]: token (g * kLanes + lane)'s columns 2p (low half) and 2p + 1 as bfloat16
-// (exact for bfloat16 tokens), zero past the last token: the B tiles of AMX's bfloat16 products (amx.h) for rows
-// in column order. K even.
-template <typename RowOf>
-void token_pairs_in_order(const RowOf& row, int64_t M, int64_t K, uint32_t* xp) {
-  const int64_t P = K / 2, groups = ceil_div(M, kLanes);
-  if (M % kLanes != 0) std::fill_n(xp + (groups - 1) * P * kLanes, P * kLanes, 0u);
+// Token rows as pairs of bfloat16 columns across the lanes, P pairs a token group: token (g * kLanes + lane)'s
+// columns 2p (low half) and 2p + 1 at xp[(g * P + pair_at(p)) * kLanes + lane], p < K / 2, rounded to nearest even
+// (exact for bfloat16 tokens). Each row is rounded in vectors first (a scalar rounding per value was a tenth of an
+// AMX call's time). Writes nothing else: the callers zero what stays empty.
+template <typename RowOf, typename PairAt>
+void token_pairs_into(const RowOf& row, int64_t M, int64_t K, int64_t P, const PairAt& pair_at, uint32_t* xp) {
   std::vector<c10::BFloat16> b(K);
   for (int64_t j = 0; j < M; ++j) {
     const float* src = row(j);
@@ -318,8 +295,29 @@ void token_pairs_in_order(const RowOf& row, int64_t M, int64_t K, uint32_t* xp) 
       store(b.data() + k, load(src + k, m), m);
     }
     uint32_t* dst = xp + (j / kLanes) * P * kLanes + j % kLanes;
-    for (int64_t p = 0; p < P; ++p) std::memcpy(dst + p * kLanes, b.data() + 2 * p, 4);
+    for (int64_t p = 0; p < K / 2; ++p) std::memcpy(dst + pair_at(p) * kLanes, b.data() + 2 * p, 4);
   }
+}
+
+// xp[(g * order.len / 2 + p) * kLanes + lane]: token (g * kLanes + lane)'s values at positions 2p (low half) and
+// 2p + 1 of its row in unpack order (UnpackOrder keeps columns 2c and 2c + 1 side by side, 2c first) as bfloat16,
+// zero in the padding and past the last token. K even; at: order.positions().
+template <typename RowOf>
+void token_pairs_across_lanes(const RowOf& row, int64_t M, const UnpackOrder& order, const int64_t* at,
+                              uint32_t* xp) {
+  const int64_t P = order.len / 2, groups = ceil_div(M, kLanes);
+  if (order.padded()) std::fill_n(xp, groups * P * kLanes, 0u);
+  else if (M % kLanes != 0) std::fill_n(xp + (groups - 1) * P * kLanes, P * kLanes, 0u);
+  token_pairs_into(row, M, order.K, P, [&](int64_t p) { return at[2 * p] / 2; }, xp);
+}
+
+// The same in column order (xp[(g * K / 2 + p) * kLanes + lane]: columns 2p and 2p + 1), zero past the last token:
+// the B tiles of AMX's bfloat16 products (amx.h) for rows as they lie. K even.
+template <typename RowOf>
+void token_pairs_in_order(const RowOf& row, int64_t M, int64_t K, uint32_t* xp) {
+  const int64_t P = K / 2, groups = ceil_div(M, kLanes);
+  if (M % kLanes != 0) std::fill_n(xp + (groups - 1) * P * kLanes, P * kLanes, 0u);
+  token_pairs_into(row, M, K, P, [](int64_t p) { return p; }, xp);
 }
 
 // E4M3 bytes w[0, n) as the bfloat16 values of value * 2^-8 (exact) in unpack order (vec.h's unpacked_half), 64
@@ -566,9 +564,8 @@ constexpr int64_t tile_token_len(int64_t K, int64_t chunk) {
 // widened into the other half of the buffer, a few rows each time, so a core that can convert while its tiles
 // multiply may. On the Intel Xeon VM measured it did not: ~7 cycles per 64 weights for the widening and ~2-4 for
 // the tiles from cache (16 rows x 4,096 columns, 16 tokens) added up either way. Then the block's sums are scaled
-// into acc. Consecutive
-// blocks use different C tiles, consecutive products different A and B tiles (amx.h). No lambdas here: they would
-// not take the function's target, and the tile helpers would be calls.
+// into acc. Consecutive blocks use different C tiles, consecutive products different A and B tiles (amx.h). No
+// lambdas here: they would not take the function's target, and the tile helpers would be calls.
 
 // What a row tile's AMX pass works on (row_tile_by_token_pairs_amx's arguments, and derived sizes).
 template <typename Widen>

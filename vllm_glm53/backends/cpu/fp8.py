@@ -99,10 +99,10 @@ def fp8_weight_form_torch(block: tuple[int, int]) -> str:
 # / 40 / 48 / 64 / 96 / 128. Zen 5's kernels gain most from full-width 512-bit units (two bfloat16 dot products a
 # cycle), the panels move both CPUs' crossovers down: 64 tokens lies between them, and 64 pairs stays.
 # Where torch's bfloat16 GEMMs run on AMX tiles and the kernels do not (VLLM_GLM53_CPU_AMX=0) the GEMMs win much
-# earlier. Intel Xeon
-# with AMX (2 cores of a VM, its AVX-512 bfloat16 dot products at half a Zen 5's rate), the same measurements with
-# panels: the linear 1.20-1.25 / 0.71 / 0.75-0.78 / 0.62-0.63 / 0.64 / 0.52 / 0.39 at 16 / 24 / 32 / 40 / 48 / 64 / 96
-# tokens; experts 2.07 / 0.95 / 0.71 / 0.66 / 0.59 / 0.49 at 8 / 16 / 24 / 32 / 48 / 64 pairs per expert.
+# earlier. Intel Xeon with AMX (2 cores of a VM, its AVX-512 bfloat16 dot products at half a Zen 5's rate), the same
+# measurements with panels: the linear 1.20-1.25 / 0.71 / 0.75-0.78 / 0.62-0.63 / 0.64 / 0.52 / 0.39 at 16 / 24 / 32
+# / 40 / 48 / 64 / 96 tokens; experts 2.07 / 0.95 / 0.71 / 0.66 / 0.59 / 0.49 at 8 / 16 / 24 / 32 / 48 / 64 pairs per
+# expert.
 # Where the kernels multiply on AMX tiles themselves (kernels.amx_tiles(): csrc/amx.h) they keep the products far
 # longer. Same machine, kernels on AMX, bf16_gemm's time / the kernel's: the linear 3.59 / 2.97 / 3.24 / 2.58 / 1.87 /
 # 1.48 at 16 / 24 / 32 / 64 / 128 / 192 tokens (from 256 the kernel's own panels run torch's float32 GEMM: 0.29);
