@@ -5,9 +5,12 @@
 // vdpbf16ps at a time: 16 weights x 16 tokens per instruction. On an Intel Xeon with AMX that runs about one
 // instruction a cycle, so at 16 tokens fp8_linear multiplied ~3 G weights a second on a core that reads 15 GB/s
 // from memory (benchmarks/README.md). One tdpbf16ps multiplies a 16-row x 32-column tile of the same widened rows
-// with 16 tokens (16 x 16 x 32 products, ~16 cycles), so the conversion of the E4M3 bytes, not the products,
-// is left to bound the tile path, whatever the token count up to a group's 16: the tile path then runs from far
-// fewer tokens than the pairs' 13 (gemv.h's pairs_direct_max).
+// with 16 tokens (16 x 16 x 32 products, ~16 cycles), so the products no longer bound the tile path, whatever the
+// token count up to a group's 16: the tile path then runs from far fewer tokens than the pairs' 13 (gemv.h's
+// pairs_direct_max). What bounds it instead is getting the widened rows into the tiles: a tile load waits for the
+// vector stores that just wrote its rows (~79 cycles a product against ~22), and each row's E4M3 bytes arrive 128
+// at a time per column block (benchmarks/README.md, "What bounds the FP8 kernels"); a cheaper conversion (GFNI)
+// barely moved it.
 //
 // The operands are the pairs path's, unchanged: A = the row tile (16 rows of E4M3 values * 2^-8 as bfloat16 in
 // unpack order, e4m3_unpacked), B = the token pairs across the lanes (token_pairs_across_lanes: per pair of
