@@ -486,8 +486,8 @@ inline void rows_by_token_pairs_n(int nr, const c10::BFloat16* rows, int64_t ld,
 // 1.08-1.21 / 0.85 / 0.89.
 constexpr int64_t kPairsDirectMaxTokens = GLM53_AVX512 ? 12 : kE4m3DirectMaxTokens;
 
-// With AMX tiles (amx.h) the tile path costs about the rows' conversion for any count up to a group's 16, so the
-// direct path keeps only the counts where it reads the rows as fast. fp8_linear 4096 x 4096 from the L3, one core
+// With AMX tiles (amx.h) the tile path costs about the same for any count up to a group's 16, so the direct path
+// keeps only the counts where it reads the rows as fast. fp8_linear 4096 x 4096 from the L3, one core
 // of the Intel Xeon, tile path on AMX / direct path: 1.01 / 0.99 / 0.88 / 0.78 / 0.57 / 0.30 at 1 / 2 / 3 / 4 / 8 / 16
 // tokens. Shorter rows weigh the tile path's fixed costs (the tile configuration, the token layout, the row tile's
 // setup) more: caches flushed, 2 threads, AMX's time / the direct path's at 3 / 4 / 6 tokens: fp8_linear 2048 x 512
@@ -562,8 +562,8 @@ constexpr int64_t tile_token_len(int64_t K, int64_t chunk) {
 // row_tile_by_tokens' bfloat16 form on AMX tiles (amx.h), ``tile`` holding two column blocks of kRowTile rows.
 // A column block's products go to the tiles 32 positions at a time, and between them the rows' next block is
 // widened into the other half of the buffer, a few rows each time, so a core that can convert while its tiles
-// multiply may. On the Intel Xeon VM measured it did not: ~7 cycles per 64 weights for the widening and ~2-4 for
-// the tiles from cache (16 rows x 4,096 columns, 16 tokens) added up either way. Then the block's sums are scaled
+// multiply may. On the Intel Xeon VM measured it did not overlap them; what bounds the path there is the tile loads
+// waiting on rows just stored and the E4M3 reads, not the conversion (amx.h). Then the block's sums are scaled
 // into acc. Consecutive blocks use different C tiles, consecutive products different A and B tiles (amx.h). No
 // lambdas here: they would not take the function's target, and the tile helpers would be calls.
 

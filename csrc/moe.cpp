@@ -425,7 +425,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
         const scalar_t* we = w13p + task.expert * s13e;
         if (lanes.groups(task.expert) > 0) {
           tile.resize(kRowTile * kColumnChunk), tile_acc.resize(kTilePassGroups * kRowTile * kLanes);
-          const auto row = [&](bool up, int64_t r) { return we + ((up ? I : 0) + r) * s13r; };
+          const auto row = [&](bool up, int64_t r) { return we + ((up ? I : 0) + r) * s13r; };  // gate / up row r
           swiglu_tile(
               task.row0, task.row0 + task.rows,
               [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); }, sizeof(scalar_t),
@@ -594,7 +594,6 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const E4m3* we = w13p + e * s13e;
       const float* gate_scale = s13p + (e * 2 * nbI + task.row0 / block_n) * kbD;
       const float* up_scale = gate_scale + nbI * kbD;
-      const auto gate_up = [&](int64_t r) { return we + r * s13r; };  // row r of [gate; up]
       const auto row = [&](bool up, int64_t r) { return we + ((up ? I : 0) + r) * s13r; };
       const auto bytes = [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); };
 #if GLM53_AVX512
@@ -604,8 +603,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         for (int j = 0; j < n; ++j) xs[j] = xop + xo_row[token_at[c0 + j]] * x_order.len;
         for (int64_t r = task.row0; r < last; ++r) {
           const int64_t rn = std::min(r + ahead, I - 1);
-          const E4m3* rows[2] = {gate_up(r), gate_up(I + r)};
-          const E4m3* next[2] = {gate_up(rn), gate_up(I + rn)};
+          const E4m3* rows[2] = {row(false, r), row(true, r)};
+          const E4m3* next[2] = {row(false, rn), row(true, rn)};
           dot_rows_pairs(rows, next, 2, xs, n, gate_scale, up_scale - gate_scale, D, block_k, sums);
           for (int j = 0; j < n; ++j) put_h(c0 + j, r, clamped_swiglu(sums[0][j], sums[1][j], limit));
         }
@@ -641,8 +640,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           const float* xs[1] = {xg};
           for (int64_t r = task.row0; r < last; ++r) {
             const int64_t rn = std::min(r + ahead, I - 1);
-            const E4m3* rows[2] = {gate_up(r), gate_up(I + r)};
-            const E4m3* next[2] = {gate_up(rn), gate_up(I + rn)};
+            const E4m3* rows[2] = {row(false, r), row(true, r)};
+            const E4m3* next[2] = {row(false, rn), row(true, rn)};
             dot_block<2, 1, E4m3, kPairsDirectMaxTokens, true>(rows, next, xs, D, sums, xu - xg);
             put_h(c0, r, clamped_swiglu(sums[0][0], sums[1][0], limit));
           }
@@ -656,11 +655,11 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         float gate_sums[2][kPairsDirectMaxTokens];
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
-          const E4m3* gate[2] = {gate_up(r), gate_up(r + nr - 1)};
-          const E4m3* up[2] = {gate_up(I + r), gate_up(I + r + nr - 1)};
+          const E4m3* gate[2] = {row(false, r), row(false, r + nr - 1)};
+          const E4m3* up[2] = {row(true, r), row(true, r + nr - 1)};
           dot_rows(gate, up, nr, xgs, n, D, gate_sums);  // prefetches the up rows, read next
           const int64_t rn = std::min(r + pair_ahead, I - 2);
-          const E4m3* next[2] = {gate_up(rn), gate_up(rn + 1)};
+          const E4m3* next[2] = {row(false, rn), row(false, rn + 1)};
           dot_rows(up, rn >= 0 ? next : nullptr, nr, xus, n, D, sums);
           for (int i = 0; i < nr; ++i)
             for (int j = 0; j < n; ++j) put_h(c0 + j, r + i, clamped_swiglu(gate_sums[i][j], sums[i][j], limit));
