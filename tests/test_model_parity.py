@@ -10,7 +10,7 @@ run).
 
 import pytest
 
-from conftest import hf_greedy, hf_model, prompt_set, run_engine
+from conftest import hf_greedy, hf_model, probe, prompt_set, run_engine
 
 pytestmark = pytest.mark.engine
 
@@ -19,6 +19,7 @@ MAX_TOKENS = [16, 12, 16, 10, 16, 14, 16, 12]
 # Greedy tokens must be identical. Logprobs differ only by float32 summation order (chunked vs token-wise
 # recurrence, absorbed vs expanded attention): measured max |diff| ~1e-5 on these checkpoints.
 LOGPROB_ATOL = 2e-4
+ROUTER_PROBES = [f"model.layers.{i}.mlp.gate.weight.dtype" for i in (1, 4)]  # the first and last MoE blocks
 
 
 def assert_parity(got, want, atol=LOGPROB_ATOL):
@@ -99,9 +100,11 @@ def test_bf16_checkpoint_agrees_with_float32_reference(tiny_ckpt):
 
     path = tiny_ckpt("bf16", dtype="bfloat16")
     prompts = prompt_set(path, LENGTHS)
-    ours = run_engine(path, prompts, 12, engine={"dtype": "bfloat16"}, logprobs=1, ignore_eos=True,
-                      prompt_logprobs=True)
+    ours, workers = run_engine(path, prompts, 12, engine={"dtype": "bfloat16"}, logprobs=1, ignore_eos=True,
+                               prompt_logprobs=True, probe=probe("model_attributes", paths=ROUTER_PROBES))
     assert len(ours) == len(prompts)
+    # the router weight (bfloat16 in the checkpoint) is held in float32, not widened again every step
+    assert all(v == "torch.float32" for w in workers for v in w.values()), workers
     hf_bf16 = _teacher_forced(hf_model(path, dtype="bfloat16"), prompts)
     theirs = [[[lp[i, p[i + 1]].item(), int(lp[i].argmax())] for i in range(len(p) - 1)]
               for p, lp in zip(prompts, hf_bf16)]
