@@ -104,7 +104,7 @@ def test_bf16_checkpoint_agrees_with_float32_reference(tiny_ckpt):
                                prompt_logprobs=True, probe=probe("model_attributes", paths=ROUTER_PROBES))
     assert len(ours) == len(prompts)
     # the router weight (bfloat16 in the checkpoint) is held in float32, not widened again every step
-    assert all(v == "torch.float32" for w in workers for v in w.values()), workers
+    assert [set(w.values()) for w in workers] == [{"torch.float32"}], workers
     hf_bf16 = _teacher_forced(hf_model(path, dtype="bfloat16"), prompts)
     theirs = [[[lp[i, p[i + 1]].item(), int(lp[i].argmax())] for i in range(len(p) - 1)]
               for p, lp in zip(prompts, hf_bf16)]
