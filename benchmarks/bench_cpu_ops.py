@@ -196,6 +196,55 @@ def bench_kda_decode(H: int, d: int, batches: list[int], bw: float, repeat: int,
     return out
 
 
+def bench_kda_conv_decode(H: int, d: int, K: int, batches: list[int], bw: float, repeat: int, ops) -> list[str]:
+    """The KDA layer's short conv + SiLU for a decode step, on conv windows bound as vLLM binds them: each slot's
+    window at the start of its own state page (window, then the slot's recurrent state), in vLLM's default layout
+    (tap after tap, ``[K-1, C]``: the model hands the op a transposed view) and in its NIXL layout (channel after
+    channel, ``[C, K-1]``)."""
+    C, taps = 3 * H * d, K - 1
+    page = C * taps + H * d * d  # floats per slot's page
+    out = [
+        f"KDA short conv + SiLU, decode step ({C} channels: q, k, v of {H} heads of {d}; kernel {K}; float32 "
+        f"windows of {C * taps * 4 >> 10} KiB in pages of {page * 4 >> 10} KiB); times in µs",
+        "",
+        row("batch", "torch", "compiled, tap after tap (vLLM's default)", "compiled, channel after channel",
+            "floor", "x floor (tap after tap)", "speed-up vs torch"),
+        row(*["---"] * 7),
+    ]
+    w = torch.randn(C, K) * 0.5
+    for B in batches:
+        n_copies = max(3, min(3 * (repeat + 1), COPY_BUDGET // (B * page * 4)))
+        pages = torch.empty(n_copies * B, page)
+        pages[:, : C * taps] = torch.randn(n_copies * B, C * taps)  # the state parts stay untouched
+        windows = pages[:, : C * taps]
+        by_tap = windows.view(-1, taps, C).transpose(1, 2)  # [N, C, K-1] views of the two layouts
+        by_channel = windows.view(-1, C, taps)
+        x = torch.randn(B, C)
+        decoding = torch.ones(B, dtype=torch.bool)
+        plans = [StateSlots.single_slot(torch.arange(B + 1), torch.arange(B) + copy * B, decoding, B, 1)
+                 for copy in range(n_copies)]
+
+        def step(impl, pool):
+            return lambda i: kda.causal_conv1d_varlen.implementation(impl)(x, w, pool, plans[i % n_copies])
+
+        t_taps = t_chan = None
+        if ops is not None:
+            for pool, what in ((by_tap, "tap after tap"), (by_channel, "channel after channel")):
+                ref_pool = pool.clone()
+                want = kda.causal_conv1d_varlen.implementation("torch")(x, w, ref_pool, plans[0])
+                check(step("compiled", pool)(0), want, f"KDA conv ({what})")
+                if not torch.equal(pool[:B], ref_pool[:B]):
+                    raise SystemExit(f"KDA conv ({what}): compiled and torch windows differ")
+            t_taps = median_time(step("compiled", by_tap), repeat)
+            t_chan = median_time(step("compiled", by_channel), repeat, first=repeat + 1)
+        t_torch = median_time(step("torch", by_tap), repeat, first=2 * (repeat + 1))
+        floor = (2 * B * C * taps + 2 * B * C) * 4 / bw  # windows in place; x in, y out
+        out.append(row(B, fmt_us(t_torch), fmt_us(t_taps), fmt_us(t_chan), fmt_us(floor),
+                       f"{t_taps / floor:.2f}" if t_taps else "—", f"{t_torch / t_taps:.1f}x" if t_taps else "—"))
+        del pages, windows, by_tap, by_channel
+    return out
+
+
 def bench_kda_prefill(H: int, d: int, lengths: list[int], repeat: int, ops) -> list[str]:
     out = [
         f"KDA prefill, one sequence (H={H}, dk=dv={d}); torch = chunked form (chunk 64), compiled = csrc recurrence",
@@ -509,6 +558,7 @@ def main() -> None:
 
     if "kda" in only:
         show(bench_kda_decode(args.heads, 128, [1, 16, 64], update_bw, args.repeat, ops))
+        show(bench_kda_conv_decode(args.heads, 128, 4, [1, 16, 64], update_bw, args.repeat, ops))
         show(bench_kda_prefill(args.heads, 128, [64, 512, 2048], args.repeat, ops))
     if "mla" in only:
         show(bench_sparse_mla(args.heads, args.batch, contexts, read_bw, args.repeat, ops))

@@ -288,9 +288,13 @@ at::Tensor causal_conv1d_varlen(const at::Tensor& x_, const at::Tensor& weight_,
   const int64_t s0 = pool.stride(0), s1 = pool.stride(1), s2 = pool.stride(2), sx = x.stride(0), sy = y.stride(0);
   const int64_t n_blocks = (C + kLanes - 1) / kLanes;
   const int nw = static_cast<int>(K - 1);
-  // A slot's window stored channel after channel ([C, K-1] contiguous, as vLLM allocates it): a block's windows are
-  // one run of m * nw values, read and written as vectors and transposed in a float buffer.
-  const bool packed = s2 == 1 && s1 == nw;
+  // Three pool layouts. Tap after tap (vLLM's "SD" conv-state layout, the model's view of it transposed:
+  // channels contiguous, s1 == 1): each tap of a block is one vector, read and written in place. Channel after
+  // channel ("DS", [C, K-1] contiguous): a block's windows are one run of m * nw values, read and written as vectors
+  // and transposed in a float buffer, which costs more than the conv itself at one token. Anything else: value by
+  // value.
+  const bool taps_contiguous = s1 == 1;
+  const bool packed = !taps_contiguous && s2 == 1 && s1 == nw;
 
   GLM53_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv_x", [&] {
     using x_t = scalar_t;
@@ -301,6 +305,7 @@ at::Tensor causal_conv1d_varlen(const at::Tensor& x_, const at::Tensor& weight_,
       s_t* pp = pool.data_ptr<s_t>();
       at::parallel_for(0, R * n_blocks, 1, [&](int64_t begin, int64_t end) {
         std::vector<std::pair<int64_t, int64_t>> outs;
+        int64_t outs_of = -1;                          // the request whose store points `outs` holds
         F16 win[kMaxTaps], tap[kMaxTaps + 1];
         alignas(64) float buf[kMaxTaps][kLanes];      // the block's window, tap-major
         alignas(64) float run[kMaxTaps * kLanes];     // the same, channel-major (the pool's order)
@@ -313,6 +318,8 @@ at::Tensor causal_conv1d_varlen(const at::Tensor& x_, const at::Tensor& weight_,
           const int64_t slot_in = sched.in[r];
           if (slot_in < 0) {
             for (int j = 0; j < nw; ++j) win[j] = zero();
+          } else if (taps_contiguous) {
+            for (int j = 0; j < nw; ++j) win[j] = load(pp + slot_in * s0 + j * s2 + c0, m);
           } else if (packed) {
             const s_t* src = pp + slot_in * s0 + c0 * nw;
             for (int q = 0; q < n_run; q += kLanes) store(run + q, load(src + q, std::min(kLanes, n_run - q)));
@@ -328,7 +335,10 @@ at::Tensor causal_conv1d_varlen(const at::Tensor& x_, const at::Tensor& weight_,
             }
           }
           for (int j = 0; j <= nw; ++j) tap[j] = load(w + j * C + c0, m);
-          sched.sorted_outputs(r, outs);
+          if (outs_of != r) {
+            sched.sorted_outputs(r, outs);
+            outs_of = r;
+          }
           size_t next = 0;
           for (int64_t t = 0; t < len; ++t) {
             const F16 xv = load(xp + (t0 + t) * sx + c0, m);
@@ -340,6 +350,10 @@ at::Tensor causal_conv1d_varlen(const at::Tensor& x_, const at::Tensor& weight_,
             store(yp + (t0 + t) * sy + c0, a / (set1(1.0f) + exp(zero() - a)), m);  // SiLU
             while (next < outs.size() && outs[next].first == t) {
               const int64_t slot = outs[next++].second;
+              if (taps_contiguous) {
+                for (int j = 0; j < nw; ++j) store(pp + slot * s0 + j * s2 + c0, win[j], m);
+                continue;
+              }
               for (int j = 0; j < nw; ++j) store(buf[j], win[j]);
               if (packed) {
                 for (int i = 0; i < m; ++i)

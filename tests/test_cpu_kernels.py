@@ -225,13 +225,14 @@ def test_kda_varlen_long_strong_decay_matches_recurrence():
     _close(pool[0], want_state, ulps=2)
 
 
-@pytest.mark.parametrize("pool_layout", ["packed", "strided"])
+@pytest.mark.parametrize("pool_layout", ["taps first", "packed", "strided"])
 @pytest.mark.parametrize("layout", ["contiguous", "column slice", "transposed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("which", ["mixed", "speculative"])
 def test_conv_varlen_matches_torch(dtype, which, layout, pool_layout):
-    """Pools as vLLM binds them (each slot's windows one run of C x (K-1) values, read and written as vectors) and
-    with a channel stride above K-1 (read and written value by value)."""
+    """Pools as vLLM binds them in its two layouts: tap after tap (each slot's ``[K-1, C]`` in a padded page, the
+    model's view transposed: each tap of a block of channels one vector) and channel after channel (one run of
+    C x (K-1) values, transposed in the kernel); and with a channel stride above K-1 (value by value)."""
     plan = _mixed_plan() if which == "mixed" else _spec_plan()
     C, K = 37, 4
     gen = _gen(12)
@@ -241,7 +242,10 @@ def test_conv_varlen_matches_torch(dtype, which, layout, pool_layout):
     elif layout == "transposed":  # channels not contiguous (the kernel copies them)
         x = x.t().contiguous().t()
     w = torch.randn(C, K, generator=gen)
-    if pool_layout == "packed":
+    if pool_layout == "taps first":
+        pages = torch.randn(7, C * (K - 1) + 5, generator=gen).to(dtype)
+        pool = pages[:, 5:].view(7, K - 1, C).transpose(1, 2)
+    elif pool_layout == "packed":
         pages = torch.randn(7, C * (K - 1) + 5, generator=gen).to(dtype)
         pool = pages[:, 5:].view(7, C, K - 1)
     else:

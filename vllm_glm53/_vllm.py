@@ -429,6 +429,17 @@ def pipeline_stage(num_layers: int) -> tuple[int, int, int, int]:
     return group.rank_in_group, group.world_size, start, end
 
 
+def conv_state_taps_first() -> bool:
+    """Whether vLLM lays out short-conv states tap after tap (``[K-1, channels]`` per slot, its "SD" layout, the
+    default) rather than channel after channel ("DS": ``[channels, K-1]``, which vLLM picks for NIXL transfers or
+    when ``VLLM_SSM_CONV_STATE_LAYOUT=DS``). vLLM releases without the choice kept ``[channels, K-1]``."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    except ImportError:
+        return False
+    return not is_conv_state_dim_first()
+
+
 CPU_RAY_RESOURCE = "vllm_cpu_rank"
 
 

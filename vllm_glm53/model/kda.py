@@ -33,10 +33,18 @@ from vllm_glm53.quant.plan import layer_quant
 
 def kda_state_shapes(arch: TextArch, tp_size: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
     """(conv state, recurrent state) per sequence on one TP rank: the last K-1 pre-conv q|k|v inputs of this
-    rank's channels, and the key-major ``[heads, dk, dv]`` delta-rule state."""
+    rank's channels in vLLM's conv-state layout (``[K-1, C]`` tap after tap, or ``[C, K-1]``), and the key-major
+    ``[heads, dk, dv]`` delta-rule state."""
     heads = arch.linear_num_heads // tp_size
     d = arch.linear_head_dim
-    return (3 * heads * d, arch.conv_kernel - 1), (heads, d, d)
+    C, taps = 3 * heads * d, arch.conv_kernel - 1
+    return ((taps, C) if _vllm.conv_state_taps_first() else (C, taps)), (heads, d, d)
+
+
+def conv_windows(pool: torch.Tensor, taps_first: bool) -> torch.Tensor:
+    """The conv-state pool as the ops read it, ``[N, C, K-1]`` whatever vLLM's layout (a view: the ops follow its
+    strides; tap after tap, each tap of a block of channels is one vector load)."""
+    return pool.transpose(1, 2) if taps_first else pool
 
 
 def kda_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
@@ -83,6 +91,7 @@ class Glm5NextKDA(nn.Module, MambaBase):
             raise ValueError(f"duplicate layer name {prefix}")
         ctx[prefix] = self
         self.kv_cache: tuple[torch.Tensor, ...] = ()
+        self.conv_taps_first = _vllm.conv_state_taps_first()  # the layout kda_state_shapes gave vLLM
 
     # --- vLLM hybrid-state interface -------------------------------------------------------------------
 
@@ -145,7 +154,7 @@ class Glm5NextKDA(nn.Module, MambaBase):
         else:
             plan = meta.plan
             conv_pool, state_pool = self.kv_cache
-        y = kda_ops.causal_conv1d_varlen(qkv, self.conv_weight, conv_pool, plan)
+        y = kda_ops.causal_conv1d_varlen(qkv, self.conv_weight, conv_windows(conv_pool, self.conv_taps_first), plan)
         q, k, v = y.view(T, 3, self.heads, self.head_dim).unbind(1)
         q, k = kda_ops.l2norm_qk(q, k, self.head_dim)
         return kda_ops.kda_varlen(q, k, v.to(torch.float32), g, beta, state_pool, plan)

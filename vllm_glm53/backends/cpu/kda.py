@@ -16,7 +16,8 @@ always chunked) and :func:`causal_conv1d`.
 Layouts:
   * activations ``[T, C]`` token-major; heads ``[T, H, d]``;
   * short-conv weight ``[C, K]`` (tap ``K-1`` multiplies the current token), conv state ``[C, K-1]`` = the last
-    ``K-1`` *pre-conv* inputs, oldest first; pools ``[N, C, K-1]``;
+    ``K-1`` *pre-conv* inputs, oldest first; pools ``[N, C, K-1]`` at any strides (the layer passes a view of
+    vLLM's pool: tap after tap, its default, or channel after channel);
   * recurrent state ``[H, dk, dv]`` float32, KEY-major (rows are key channels), the layout of transformers and
     fla; pools ``[N, H, dk, dv]``. vLLM's own Triton kernels use the transposed ``[H, dv, dk]``; callers that
     share a pool with them must transpose.

@@ -4,10 +4,11 @@ gate, the gated RMSNorm and the chunked / fused-recurrent delta rule — archite
 Same functions, arguments and layouts as :mod:`vllm_glm53.backends.cpu.kda` (the oracle the tests compare with),
 so a layer can use either module. What this module adapts around fla:
 
-  * conv state: ours is ``[C, K-1]`` (the last K-1 pre-conv inputs, oldest first, as vLLM keeps it); fla's
-    prefill conv keeps all ``K`` columns (``[N, C, K]``, the oldest never read): a zero column is prepended on
-    the way in and dropped on the way out. The decode-time conv is this module's own small Triton kernel,
-    which reads and writes vLLM's ``[C, K-1]`` states in place, through slot indices, at any strides.
+  * conv state: the ops see ``[C, K-1]`` (the last K-1 pre-conv inputs, oldest first; the layer passes a view of
+    vLLM's pool in whichever of its two layouts it uses); fla's prefill conv keeps all ``K`` columns (``[N, C,
+    K]``, the oldest never read): a zero column is prepended on the way in and dropped on the way out. The
+    decode-time conv is this module's own small Triton kernel, which reads and writes the states in place,
+    through slot indices, at any strides.
   * recurrent state: key-major ``[H, dk, dv]`` float32 on both sides (fla's default; vLLM's own Triton kernels
     use the transposed value-major layout — ``state_v_first`` would select it).
   * state slots: the batch ops :data:`kda_varlen` and :data:`causal_conv1d_varlen` read the step plan
