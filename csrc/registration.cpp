@@ -18,6 +18,10 @@ at::Tensor kda_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 at::Tensor causal_conv1d_varlen(const at::Tensor& x, const at::Tensor& weight, at::Tensor& pool,
                                 const at::Tensor& cu_seqlens, const at::Tensor& state_in,
                                 const at::Tensor& state_out, const at::Tensor& state_out_at);
+at::Tensor kda_gate(const at::Tensor& a, const at::Tensor& A_log, double lower_bound);
+std::tuple<at::Tensor, at::Tensor> kda_l2norm_qk(const at::Tensor& q, const at::Tensor& k, double scale);
+at::Tensor kda_gated_rmsnorm(const at::Tensor& o, const at::Tensor& gate, const at::Tensor& weight, double eps,
+                             at::ScalarType out_dtype);
 at::Tensor kpool_compress(const at::Tensor& k, const at::Tensor& gate, const at::Tensor& ape);
 at::Tensor index_scores(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& pooled);
 at::Tensor select_tokens(const std::optional<at::Tensor>& scores, const at::Tensor& positions, int64_t topk,
@@ -72,6 +76,9 @@ TORCH_LIBRARY(vllm_glm53, m) {
         " Tensor state_in, Tensor state_out, Tensor state_out_at) -> Tensor");
   m.def("causal_conv1d_varlen(Tensor x, Tensor weight, Tensor(a!) pool, Tensor cu_seqlens, Tensor state_in,"
         " Tensor state_out, Tensor state_out_at) -> Tensor");
+  m.def("kda_gate(Tensor a, Tensor A_log, float lower_bound) -> Tensor");
+  m.def("kda_l2norm_qk(Tensor q, Tensor k, float scale) -> (Tensor, Tensor)");
+  m.def("kda_gated_rmsnorm(Tensor o, Tensor gate, Tensor weight, float eps, ScalarType out_dtype) -> Tensor");
   m.def("kpool_compress(Tensor k, Tensor gate, Tensor ape) -> Tensor");
   m.def("index_scores(Tensor q, Tensor weights, Tensor pooled) -> Tensor");
   m.def("select_tokens(Tensor? scores, Tensor positions, int topk, int kp, bool always_select_tail) -> Tensor");
@@ -99,6 +106,9 @@ TORCH_LIBRARY(vllm_glm53, m) {
 TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
   m.impl("kda_varlen", &glm53::kda_varlen);
   m.impl("causal_conv1d_varlen", &glm53::causal_conv1d_varlen);
+  m.impl("kda_gate", &glm53::kda_gate);
+  m.impl("kda_l2norm_qk", &glm53::kda_l2norm_qk);
+  m.impl("kda_gated_rmsnorm", &glm53::kda_gated_rmsnorm);
   m.impl("kpool_compress", &glm53::kpool_compress);
   m.impl("index_scores", &glm53::index_scores);
   m.impl("select_tokens", &glm53::select_tokens);

@@ -258,6 +258,31 @@ def test_conv_varlen_matches_torch(dtype, which, layout, pool_layout):
     assert torch.equal(pool, ref_pool)  # windows are copies of inputs: exact
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_gates_and_norms_match_torch(dtype):
+    """The per-head ops around the recurrence on inputs laid out as the layer passes them: q and k strided views
+    of the conv output ``[T, 3, H, d]``, the gate input float32, the output gate a column slice of a wider
+    projection, the norm weight in the model dtype. d = 40: every row ends in a partial vector."""
+    T, H, d = 5, 3, 40
+    gen = _gen(21)
+    q, k, _ = (2 * torch.randn(T, 3, H, d, generator=gen)).to(dtype).unbind(1)
+    got, want = (kda.l2norm_qk.implementation(impl)(q, k, d) for impl in ("compiled", "torch"))
+    for g_, w_ in zip(got, want):
+        assert g_.dtype == torch.float32 and g_.shape == (T, H, d)
+        _close(g_, w_, ulps=2)
+    a, A_log = 3 * torch.randn(T, H, d, generator=gen), torch.randn(H, generator=gen)
+    got, want = (kda.kda_gate.implementation(impl)(a, A_log, -5.0) for impl in ("compiled", "torch"))
+    _close(got, want, ulps=2)
+    o = torch.randn(T, H, d, generator=gen)
+    gate = torch.randn(T, 2 * H * d, generator=gen).to(dtype)[:, H * d :].view(T, H, d)
+    w = (1 + 0.2 * torch.randn(d, generator=gen)).to(dtype)
+    for out_dtype in (None, dtype):
+        got, want = (kda.gated_rmsnorm.implementation(impl)(o, gate, w, 1e-5, out_dtype)
+                     for impl in ("compiled", "torch"))
+        assert got.dtype == want.dtype == (out_dtype or torch.float32)
+        _close(got, want, ulps=2)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # indexer
 # ---------------------------------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ plan (:class:`~vllm_glm53.backends.plans.StateSlots`):
 
 Each is an :class:`~vllm_glm53.backends.dispatch.Op` with a ``compiled`` implementation (csrc/kda.cpp, the exact
 recurrence token by token with each state group held in L1) and a ``torch`` one (per request: the chunked form
-below between store points), the reference the kernel is tested against. The per-sequence forms stay as the
-references they are: :func:`kda_recurrent` (naive, token by token), :func:`kda_chunked` (the chunked WY form,
-always chunked) and :func:`causal_conv1d`.
+below between store points), the reference the kernel is tested against. So are the per-head ops around them,
+:data:`kda_gate` (the bounded forget gate), :data:`l2norm_qk` and :data:`gated_rmsnorm` (csrc/kda_gates.cpp: one
+pass per head instead of five to a dozen tensor ops, whose dispatch was their cost in a decode step), with their
+``*_torch`` forms as references. The per-sequence forms stay as the references they are: :func:`kda_recurrent`
+(naive, token by token), :func:`kda_chunked` (the chunked WY form, always chunked) and :func:`causal_conv1d`.
 
 Layouts:
   * activations ``[T, C]`` token-major; heads ``[T, H, d]``;
@@ -80,7 +82,39 @@ def causal_conv1d(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def kda_gate(a: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+kda_gate = Op("kda_gate")
+l2norm_qk = Op("l2norm_qk")
+gated_rmsnorm = Op("gated_rmsnorm")
+
+
+def _per_head_check(*tensors_of):
+    """The compiled check of a per-head op: the kernels' dtypes on the CPU, and the first tensor ``[T, H, d]``."""
+    kernel_check = compiled_kernels_check(*tensors_of)
+
+    def check(x, *args, **kwargs):
+        if x.dim() != 3:
+            return f"reads [T, H, d], got {tuple(x.shape)}"
+        return kernel_check(x, *args, **kwargs)
+
+    return check
+
+
+_gate_tensors = _per_head_check(lambda a, A_log, lower_bound: (a, A_log))
+
+
+def _bounded_gate_check(a, A_log, lower_bound):
+    if lower_bound is None:
+        return "the unbounded (softplus) gate is torch's only"
+    return _gate_tensors(a, A_log, lower_bound)
+
+
+@kda_gate.register("compiled", _bounded_gate_check)
+def _kda_gate_compiled(a, A_log, lower_bound):
+    return kernels.ops().kda_gate(a, A_log, lower_bound)
+
+
+@kda_gate.register("torch")
+def kda_gate_torch(a: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
     """Per-channel log-decay g ``[..., H, dk]`` (float32) from ``a = f_b(f_a(x)) + dt_bias`` viewed ``[..., H, dk]``.
 
     Bounded ("safe") gate: ``g = lower_bound * sigmoid(exp(A_log[h]) * a)`` in (lower_bound, 0).
@@ -94,7 +128,13 @@ def kda_gate(a: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None) ->
     return -rate * F.softplus(a, beta=1.0, threshold=20.0)
 
 
-def l2norm_qk(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+@l2norm_qk.register("compiled", _per_head_check(lambda q, k, head_dim: (q, k)))
+def _l2norm_qk_compiled(q, k, head_dim):
+    return kernels.ops().kda_l2norm_qk(q, k, head_dim**-0.5)
+
+
+@l2norm_qk.register("torch")
+def l2norm_qk_torch(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """L2-normalise q and k per head in float32 (``x / sqrt(|x|^2 + 1e-6)``, eps inside the root as in fla)
     and fold the attention scale ``head_dim ** -0.5`` into q."""
     q = q.to(torch.float32)
@@ -104,7 +144,13 @@ def l2norm_qk(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> tuple[torch.Te
     return q * head_dim**-0.5, k
 
 
-def gated_rmsnorm(
+@gated_rmsnorm.register("compiled", _per_head_check(lambda o, gate, weight, *a, **k: (o, gate, weight)))
+def _gated_rmsnorm_compiled(o, gate, weight, eps, out_dtype=None):
+    return kernels.ops().kda_gated_rmsnorm(o, gate, weight, eps, out_dtype or o.dtype)
+
+
+@gated_rmsnorm.register("torch")
+def gated_rmsnorm_torch(
     o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Output gate of KDA: RMSNorm over the last dim (``dv``) with the weight ``[dv]`` shared by all heads, times

@@ -37,7 +37,8 @@ from fla.ops.kda.gate import fused_kda_gate as _fla_kda_gate
 
 # L2 normalisation stays plain torch: two elementwise passes that fuse well under torch.compile, and the exact
 # expression the oracle uses (fla's fused variant lives inside chunk_kda, which the layer does not ask for).
-from vllm_glm53.backends.cpu.kda import conv_per_request, delta_rule_per_request, l2norm_qk
+from vllm_glm53.backends.cpu.kda import conv_per_request, delta_rule_per_request
+from vllm_glm53.backends.cpu.kda import l2norm_qk_torch as l2norm_qk
 from vllm_glm53.backends.dispatch import Op
 from vllm_glm53.backends.plans import StateSlots
 
