@@ -5,6 +5,8 @@
 // The float32 steps are the references' own (true divisions and square roots, the same order of products), so
 // the two differ only where squares are summed in another order and in the last bits of exp.
 
+#include <vector>
+
 #include "common.h"
 
 namespace glm53 {
@@ -37,11 +39,13 @@ at::Tensor kda_gate(const at::Tensor& a_, const at::Tensor& A_log_, double lower
   const at::Tensor a = heads_view(a_, what, "a");
   const int64_t T = a.size(0), H = a.size(1), d = a.size(2);
   TORCH_CHECK(A_log_.numel() == H, what, ": A_log must hold ", H, " values, got ", A_log_.sizes());
-  const at::Tensor A_log = A_log_.to(at::kFloat).contiguous();
+  const at::Tensor A_log = A_log_.contiguous();
   at::Tensor g = at::empty({T, H, d}, a.options().dtype(at::kFloat));
   const float bound = static_cast<float>(lower_bound);
   std::vector<float> rate(H);
-  for (int64_t h = 0; h < H; ++h) rate[h] = std::exp(A_log.data_ptr<float>()[h]);
+  GLM53_DISPATCH_FLOAT_TYPES(A_log.scalar_type(), what, [&] {
+    for (int64_t h = 0; h < H; ++h) rate[h] = std::exp(static_cast<float>(A_log.data_ptr<scalar_t>()[h]));
+  });
   GLM53_DISPATCH_FLOAT_TYPES(a.scalar_type(), what, [&] {
     const scalar_t* ap = a.data_ptr<scalar_t>();
     float* gp = g.data_ptr<float>();
@@ -103,10 +107,15 @@ at::Tensor kda_gated_rmsnorm(const at::Tensor& o_, const at::Tensor& gate_, cons
   TORCH_CHECK(o.sizes() == gate.sizes(), what, ": o ", o.sizes(), " and gate ", gate.sizes(), " differ");
   const int64_t T = o.size(0), H = o.size(1), d = o.size(2);
   TORCH_CHECK(weight_.dim() == 1 && weight_.size(0) == d, what, ": weight must be [", d, "], got ", weight_.sizes());
-  const at::Tensor weight = weight_.to(at::kFloat).contiguous();
+  // the weight widened here, not by a tensor op (it is in the model dtype, and this runs every step)
+  std::vector<float> w(d);
+  const at::Tensor weight = weight_.contiguous();
+  GLM53_DISPATCH_FLOAT_TYPES(weight.scalar_type(), what, [&] {
+    for (int64_t i = 0; i < d; ++i) w[i] = static_cast<float>(weight.data_ptr<scalar_t>()[i]);
+  });
   at::Tensor out = at::empty({T, H, d}, o.options().dtype(out_dtype));
   const float eps = static_cast<float>(eps_);
-  const float* wp = weight.data_ptr<float>();
+  const float* wp = w.data();
   GLM53_DISPATCH_FLOAT_TYPES(o.scalar_type(), what, [&] {
     using o_t = scalar_t;
     GLM53_DISPATCH_FLOAT_TYPES(gate.scalar_type(), what, [&] {
