@@ -27,9 +27,24 @@ def test_state_shapes_follow_vllms_conv_layout(kda_layer, monkeypatch, taps_firs
     assert state == (arch.linear_num_heads, arch.linear_head_dim, arch.linear_head_dim)
 
 
-def test_vllms_default_conv_layout_is_taps_first():
-    # vLLM 0.32's CPU platform asks for "SD" (or leaves vLLM's default, also "SD") unless NIXL transfers states
-    assert _vllm.conv_state_taps_first()
+def test_the_adapter_reads_vllms_conv_layout(monkeypatch):
+    """Tap after tap by default (vLLM 0.32's CPU platform asks for "SD", or leaves vLLM's default, also "SD"),
+    channel after channel where vLLM is told "DS" (as it tells itself for NIXL transfers)."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    layouts = {}
+    try:
+        for value in (None, "SD", "DS"):
+            if value is None:
+                monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT", raising=False)
+            else:
+                monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", value)
+            mamba_utils.get_conv_state_layout.cache_clear()  # vLLM reads the variable once per process
+            layouts[value] = _vllm.conv_state_taps_first()
+    finally:
+        monkeypatch.undo()
+        mamba_utils.get_conv_state_layout.cache_clear()
+    assert layouts == {None: True, "SD": True, "DS": False}
 
 
 def _steps(layer, arch, taps_first, monkeypatch):
