@@ -18,17 +18,6 @@ at::Tensor heads_view(const at::Tensor& x, const char* what, const char* name) {
   return x.stride(2) == 1 ? x : x.contiguous();
 }
 
-// Sum of squares of n values (float32), the reference's (x * x).sum(-1) up to the order of the additions.
-template <typename T>
-inline float sum_squares(const T* x, int64_t n) {
-  F16 acc = zero();
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const F16 v = load(x + i, static_cast<int>(std::min<int64_t>(kLanes, n - i)));
-    acc = acc + v * v;
-  }
-  return reduce_add(acc);
-}
-
 inline F16 sigmoid(F16 x) { return set1(1.0f) / (set1(1.0f) + exp(zero() - x)); }
 
 }  // namespace

@@ -53,20 +53,9 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& weight_, double eps_
       for (int64_t t = t0; t < t1; ++t) {
         const scalar_t* xt = xp + t * xs;
         scalar_t* ot = op + t * D;
-        F16 acc0 = zero(), acc1 = zero();
-        int64_t d = 0;
-        for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
-          const F16 a = load(xt + d, kLanes), b = load(xt + d + kLanes, kLanes);
-          acc0 = acc0 + a * a;
-          acc1 = acc1 + b * b;
-        }
-        for (; d < D; d += kLanes) {
-          const F16 a = load(xt + d, static_cast<int>(std::min<int64_t>(kLanes, D - d)));
-          acc0 = acc0 + a * a;
-        }
-        const float mean = reduce_add(acc0 + acc1) / static_cast<float>(D);
+        const float mean = sum_squares(xt, D) / static_cast<float>(D);
         const F16 r = set1(1.0f / std::sqrt(mean + eps));
-        for (d = 0; d < D; d += kLanes) {
+        for (int64_t d = 0; d < D; d += kLanes) {
           const int w = static_cast<int>(std::min<int64_t>(kLanes, D - d));
           store(ot + d, load(wp + d, w) * round_as<scalar_t>(load(xt + d, w) * r), w);
         }
