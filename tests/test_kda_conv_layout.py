@@ -48,8 +48,8 @@ def test_the_adapter_reads_vllms_conv_layout(monkeypatch):
 
 
 def _steps(layer, arch, taps_first, monkeypatch):
-    """Prefill two sequences, decode one, verify drafts on the other; the outputs, and every slot's conv window as
-    ``[C, K-1]`` and recurrent state afterwards."""
+    """Prefill two sequences, decode one, verify drafts on the other; the outputs, every slot's conv window as
+    ``[C, K-1]`` and recurrent state afterwards, and the windows the slots started from."""
     monkeypatch.setattr(layer, "conv_taps_first", taps_first)
     gen = torch.Generator().manual_seed(3)
     C, taps = 3 * arch.linear_num_heads * arch.linear_head_dim, arch.conv_kernel - 1
@@ -64,18 +64,17 @@ def _steps(layer, arch, taps_first, monkeypatch):
     outs = [_prefill(layer, a, spec_slots[0]), _prefill(layer, b[:PROMPT], 6), _decode(layer, b[PROMPT:], 6)]
     outs += _verify(layer, b[PROMPT:], step1, 6, spec_slots, accepted=1)
     outs += _verify(layer, b[PROMPT:], step2, 6, spec_slots, accepted=3)
-    return outs, (conv.transpose(1, 2) if taps_first else conv), state
+    return outs, (conv.transpose(1, 2) if taps_first else conv), state, windows
 
 
 def test_kda_layer_gives_the_same_steps_in_both_conv_layouts(kda_layer, monkeypatch):
     layer, arch, _ = kda_layer
-    outs_sd, conv_sd, state_sd = _steps(layer, arch, True, monkeypatch)
-    outs_ds, conv_ds, state_ds = _steps(layer, arch, False, monkeypatch)
+    outs_sd, conv_sd, state_sd, start = _steps(layer, arch, True, monkeypatch)
+    outs_ds, conv_ds, state_ds, _ = _steps(layer, arch, False, monkeypatch)
     for got, want in zip(outs_sd, outs_ds):
         assert torch.equal(got, want)  # the same sums in the same order: only where the window lives differs
     assert torch.equal(conv_sd, conv_ds)
     assert torch.equal(state_sd, state_ds)
     # the steps really moved windows: the written slots differ from their random start, the others do not
-    start = torch.randn(8, conv_sd.shape[1], conv_sd.shape[2], generator=torch.Generator().manual_seed(3))
     changed = [s for s in range(8) if not torch.equal(conv_sd[s], start[s])]
     assert changed == [1, 3, 5, 6, 7]
