@@ -123,6 +123,17 @@ def test_no_implementation_is_an_error_naming_every_reason():
         op(1)
 
 
+def test_compiled_kernels_check_names_the_tensor_it_cannot_take(monkeypatch):
+    """With the kernels loaded, the compiled check accepts CPU tensors of the kernels' dtypes (and absent ones) and
+    declines any other device or dtype, saying which."""
+    monkeypatch.setattr(dispatch, "_compiled_status", lambda: None)
+    check = dispatch.compiled_kernels_check(lambda a, b: (a, b))
+    cpu = torch.ones(2, dtype=torch.bfloat16)
+    assert check(cpu, None) is None and check(cpu, torch.ones(2)) is None
+    assert check(cpu, torch.ones(2, device="meta")) == "needs CPU tensors, got meta"
+    assert check(torch.ones(2, dtype=torch.float64), cpu) == "reads float32/bfloat16/float16, got torch.float64"
+
+
 def test_forced_torch_path_says_why_in_one_line():
     """With ``VLLM_GLM53_CPU_KERNELS=0`` the compiled implementations decline with the reason, logged once."""
     code = (
