@@ -482,6 +482,35 @@ def bench_moe(E: int, D: int, inter: int, k: int, batches: list[int], bw: float,
     return out
 
 
+def bench_router(configs: list[tuple[int, int]], batches: list[int], repeat: int, ops) -> list[str]:
+    out = [
+        "MoE router (float32 logits [batch, experts] -> top-k ids and weights: sigmoid, correction bias, top-k, "
+        "normalisation, scaling factor), each call on fresh logits; times in µs",
+        "",
+        row("experts, top-k", "batch", "torch", "compiled", "speed-up"),
+        row(*["---"] * 5),
+    ]
+    for E, k in configs:
+        bias = 0.1 * torch.randn(E)
+        for T in batches:
+            logits = [3 * torch.randn(T, E) for _ in range(2 * (repeat + 1))]
+
+            def call(fn):
+                return lambda i: fn(logits[i], bias, k, 1, 1, True, 2.5)
+
+            t_comp = None
+            if ops is not None:
+                (w, ids), (w_ref, ids_ref) = call(moe.route.implementation("compiled"))(0), call(moe.route_torch)(0)
+                if not torch.equal(ids, ids_ref):
+                    raise SystemExit(f"router, {E} experts, batch {T}: compiled and torch choose different experts")
+                check(w, w_ref, f"router weights, {E} experts, batch {T}")
+                t_comp = median_time(call(moe.route.implementation("compiled")), repeat)
+            t_torch = median_time(call(moe.route_torch), repeat, first=repeat + 1)
+            out.append(row(f"{E}, {k}", T, fmt_us(t_torch), fmt_us(t_comp),
+                           f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Linear layers with 16-bit weights
 # --------------------------------------------------------------------------------------------------------------
@@ -568,6 +597,7 @@ def main() -> None:
         show(bench_mhc(4096, [1, 16, 64], args.repeat, ops))
     if "moe" in only:
         show(bench_moe(8, 512, 256, 2, [1, 16, 64, 512], read_bw, args.repeat, ops))
+        show(bench_router([(8, 2), (288, 8)], [1, 16, 512], args.repeat, ops))
     if "linear16" in only:
         show(bench_linear16(4096, 4096, [1, 4, 16, 64, 512], read_bw, args.repeat, ops))
 

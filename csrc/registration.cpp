@@ -43,6 +43,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mhc_coefficients(const at::Tensor
                                                                 int64_t sinkhorn_iters);
 at::Tensor mhc_collapse(const at::Tensor& X, const at::Tensor& pre);
 at::Tensor mhc_expand(const at::Tensor& X, const at::Tensor& y, const at::Tensor& post, const at::Tensor& comb);
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, const std::optional<at::Tensor>& bias,
+                                             int64_t top_k, bool renormalize, double scale);
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& ids,
                        const at::Tensor& weights, double swiglu_limit);
 at::Tensor moe_experts_fp8(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w13_scale,
@@ -95,6 +97,7 @@ TORCH_LIBRARY(vllm_glm53, m) {
         " -> (Tensor, Tensor, Tensor)");
   m.def("mhc_collapse(Tensor X, Tensor pre) -> Tensor");
   m.def("mhc_expand(Tensor X, Tensor y, Tensor post, Tensor comb) -> Tensor");
+  m.def("moe_route(Tensor logits, Tensor? bias, int top_k, bool renormalize, float scale) -> (Tensor, Tensor)");
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor ids, Tensor weights, float swiglu_limit) -> Tensor");
   m.def("moe_experts_fp8(Tensor x, Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale, Tensor ids,"
         " Tensor weights, float swiglu_limit, int block_n, int block_k) -> Tensor");
@@ -121,6 +124,7 @@ TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
   m.impl("mhc_coefficients", &glm53::mhc_coefficients);
   m.impl("mhc_collapse", &glm53::mhc_collapse);
   m.impl("mhc_expand", &glm53::mhc_expand);
+  m.impl("moe_route", &glm53::moe_route);
   m.impl("moe_experts", &glm53::moe_experts);
   m.impl("moe_experts_fp8", &glm53::moe_experts_fp8);
   m.impl("fp8_linear", &glm53::fp8_linear);

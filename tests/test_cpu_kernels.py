@@ -648,6 +648,43 @@ def test_mhc_collapse_and_expand_match_torch(dtype, n, D):
 # routed experts
 # ---------------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("normalise", [True, False])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("T,E,k", [(37, 8, 2), (5, 21, 3), (19, 288, 8)])  # 21: a partial vector of scores
+def test_route_matches_torch(T, E, k, with_bias, normalise):
+    """The router: the same experts in the same order as the torch form (the logits' spread keeps any two choice
+    scores far apart against the last bits of exp), the weights within ulps."""
+    gen = _gen(40)
+    logits = 3 * torch.randn(T, E, generator=gen)
+    bias = 0.3 * torch.randn(E, generator=gen) if with_bias else None
+    (w, ids), (w_ref, ids_ref) = (moe.route.implementation(impl)(logits, bias, k, 1, 1, normalise, 2.5)
+                                  for impl in ("compiled", "torch"))
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and w.shape == ids.shape == (T, k)
+    assert torch.equal(ids, ids_ref)
+    # measured (ulps of max|reference|, avx2 / portable): 0.80 / 0
+    _close(w, w_ref, ulps=4)
+
+
+def test_route_ties_go_to_the_lower_expert():
+    """Equal choice scores (integer logits, no bias) rank the lower expert id first, also across the k-th place;
+    torch's topk leaves the order of ties open, so the reference here is a stable sort."""
+    logits = torch.randint(-2, 3, (50, 40), generator=_gen(41)).float()
+    w, ids = moe.route.implementation("compiled")(logits, None, 6, 1, 1, True, 2.5)
+    want = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :6]
+    assert torch.equal(ids, want)
+    s = torch.sigmoid(logits).gather(1, want)
+    # measured (ulps of max|reference|, avx2 / portable): 1.10 / 1.10
+    _close(w, s / (s.sum(-1, keepdim=True) + 1e-20) * 2.5, ulps=4)
+
+
+def test_route_declines_group_limited_routing():
+    logits = torch.randn(4, 16, generator=_gen(42))
+    assert moe.route.impls[0].check(logits, None, 3, 4, 2, True, 1.0) is not None
+    assert moe.route.impls[0].check(logits, None, 3, 4, 4, True, 1.0) is None  # all groups kept: a plain top-k
+    w, ids = moe.route(logits, None, 3, 4, 2, True, 1.0)
+    assert torch.equal(ids, moe.route_torch(logits, None, 3, 4, 2, True, 1.0)[1])
+
+
 MOE_E, MOE_D, MOE_I = 8, 168, 40  # hidden and intermediate sizes with lane tails; 4 x MOE_I <= MOE_D (kernel_h)
 MOE_USED, MOE_HOT = [0, 3, 5, 6], 3  # experts 1, 2, 4, 7 get no token; most tokens pick expert 3 first
 SWIGLU_LIMIT = 0.5  # small against gate / up values of about 1: both clamps are active

@@ -32,7 +32,7 @@ from vllm_glm53._vllm import (
 )
 from vllm_glm53.backends import moe_ops
 from vllm_glm53.config import TextArch
-from vllm_glm53.model.moe_routing import clamped_swiglu, local_expert_pairs, route
+from vllm_glm53.model.moe_routing import clamped_swiglu, local_expert_pairs
 from vllm_glm53.quant import experts as quant_experts
 from vllm_glm53.quant.fp8 import BlockFp8Weight
 from vllm_glm53.quant.plan import LayerQuant, layer_quant
@@ -150,7 +150,7 @@ class Router:
 
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.arch
-        return route(logits, self.correction_bias, a.num_experts_per_tok, a.n_group, a.topk_group,
+        return moe_ops.route(logits, self.correction_bias, a.num_experts_per_tok, a.n_group, a.topk_group,
                      a.norm_topk_prob, a.routed_scaling_factor)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SOURCES = ("registration.cpp", "kda.cpp", "kda_gates.cpp", "indexer.cpp", "sparse_mla.cpp", "mhc.cpp", "moe.cpp",
-           "linear.cpp", "norm.cpp")
+           "moe_route.cpp", "linear.cpp", "norm.cpp")
 HEADERS = ("vec.h", "common.h", "gemv.h", "amx.h")
 
 # Per instruction set, best first: the /proc/cpuinfo flags a CPU needs to run it and the compiler flags that make

@@ -9,6 +9,9 @@ larger batches keep the torch loop there; on CPUs without native 16-bit arithmet
 are slow, 16-bit experts take the same loop with each product on the compiled ``linear16``
 (:func:`routed_experts_widened`, backends/cpu/linear.py).
 :func:`routed_experts_torch` is that loop, the reference the kernel is tested against.
+
+:func:`route` is the router (csrc/moe_route.cpp; :func:`route_torch` the reference): ten small torch ops a block
+and step in torch, one call compiled.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from vllm_glm53.backends.cpu import kernels
 from vllm_glm53.backends.cpu.linear import linear16, widens
 from vllm_glm53.backends.dispatch import Op, compiled_kernels_check
 
-__all__ = ["clamped_swiglu", "group_by_expert", "routed_experts"]
+__all__ = ["clamped_swiglu", "group_by_expert", "route", "routed_experts"]
 
 # Mean (token, choice) pairs per expert above which 16-bit experts go through per-expert ``linear16`` products on a
 # CPU without native 16-bit arithmetic (the measurement is in kernel_max_pairs).
@@ -107,6 +110,61 @@ def routed_experts_torch(
     Plain torch (any device): one GEMM pair per expert that received tokens.
     """
     return _per_expert(x, w13, w2, ids, weights, swiglu_limit, F.linear)
+
+
+route = Op("route")
+
+
+def _route_check(router_logits, correction_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
+    if n_group > 1 and topk_group < n_group:
+        return f"group-limited routing ({topk_group} of {n_group} groups) is the torch form's"
+    if router_logits.dtype != torch.float32 or (correction_bias is not None and correction_bias.dtype != torch.float32):
+        return "needs float32 logits and bias"
+    return _route_tensors(router_logits, correction_bias)
+
+
+_route_tensors = compiled_kernels_check(lambda logits, bias: (logits, bias))
+
+
+@route.register("compiled", _route_check)
+def _route_compiled(router_logits, correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+                    routed_scaling_factor):
+    return kernels.ops().moe_route(router_logits, correction_bias, top_k, norm_topk_prob,
+                                   float(routed_scaling_factor))
+
+
+@route.register("torch")
+def route_torch(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with a selection-only correction bias ("noaux_tc") and group limiting.
+
+    router_logits: ``[T, E]`` (computed in float32); correction_bias: ``[E]`` or None.
+    Choice scores ``s + bias`` decide *which* experts (groups ranked by the sum of their two best choice scores,
+    the best ``topk_group`` groups kept); the weights are the unbiased sigmoid scores of the chosen experts,
+    normalised by ``sum + 1e-20`` if ``norm_topk_prob`` and multiplied by ``routed_scaling_factor``.
+    Returns ``(weights [T, top_k] float32, ids [T, top_k] int64)``, ordered by descending choice score.
+    """
+    scores = torch.sigmoid(router_logits.to(torch.float32))
+    choice = scores if correction_bias is None else scores + correction_bias.to(torch.float32)
+    T, E = choice.shape
+    if n_group > 1 and topk_group < n_group:
+        grouped = choice.view(T, n_group, E // n_group)
+        group_scores = grouped.topk(min(2, E // n_group), dim=-1).values.sum(dim=-1)  # [T, n_group]
+        keep_groups = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
+        choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(T, E)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
 
 
 def _per_expert(x, w13, w2, ids, weights, swiglu_limit, linear) -> torch.Tensor:

@@ -7,6 +7,7 @@ experts only.
 from __future__ import annotations
 
 from vllm_glm53.backends.cpu.moe import clamped_swiglu, group_by_expert
+from vllm_glm53.backends.cpu.moe import route_torch as route
 from vllm_glm53.backends.cpu.moe import routed_experts_torch as routed_experts
 
-__all__ = ["clamped_swiglu", "group_by_expert", "routed_experts"]
+__all__ = ["clamped_swiglu", "group_by_expert", "route", "routed_experts"]
