@@ -151,7 +151,7 @@ class Router:
     def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.arch
         return moe_ops.route(logits, self.correction_bias, a.num_experts_per_tok, a.n_group, a.topk_group,
-                     a.norm_topk_prob, a.routed_scaling_factor)
+                             a.norm_topk_prob, a.routed_scaling_factor)
 
 
 class StackedExperts(nn.Module):

@@ -113,6 +113,7 @@ def routed_experts_torch(
 
 
 route = Op("route")
+_route_tensors = compiled_kernels_check(lambda logits, bias: (logits, bias))
 
 
 def _route_check(router_logits, correction_bias, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
@@ -121,9 +122,6 @@ def _route_check(router_logits, correction_bias, top_k, n_group, topk_group, nor
     if router_logits.dtype != torch.float32 or (correction_bias is not None and correction_bias.dtype != torch.float32):
         return "needs float32 logits and bias"
     return _route_tensors(router_logits, correction_bias)
-
-
-_route_tensors = compiled_kernels_check(lambda logits, bias: (logits, bias))
 
 
 @route.register("compiled", _route_check)

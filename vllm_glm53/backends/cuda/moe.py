@@ -1,7 +1,7 @@
-"""Routed experts on GPUs: the CPU backend's plain-torch form (:mod:`vllm_glm53.backends.cpu.moe`), one GEMM pair
-per expert that received tokens, and its device-agnostic helpers. On GPUs the plugin's quantized expert stacks
-run vLLM's fused MoE (:mod:`vllm_glm53.quant.experts`); this is the path of unquantized (or dequantized-at-load)
-experts only.
+"""Router and routed experts on GPUs: the CPU backend's plain-torch forms (:mod:`vllm_glm53.backends.cpu.moe`): the
+router's torch ops, one GEMM pair per expert that received tokens, and the device-agnostic helpers. On GPUs the
+plugin's quantized expert stacks run vLLM's fused MoE (:mod:`vllm_glm53.quant.experts`); this is the path of
+unquantized (or dequantized-at-load) experts only.
 """
 
 from __future__ import annotations
