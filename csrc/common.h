@@ -30,6 +30,9 @@ inline float sum_squares(const T* x, int64_t n) {
   }
   return reduce_add(acc0 + acc1);
 }
+
+// 1 / (1 + exp(-x)) lane by lane, torch's sigmoid with vec.h's exp.
+inline F16 sigmoid(F16 x) { return set1(1.0f) / (set1(1.0f) + exp(zero() - x)); }
 }  // namespace glm53
 
 // Runs the lambda with ``scalar_t`` bound to the C++ type of a float32 / bfloat16 / float16 tensor (the dtypes

@@ -18,8 +18,6 @@ at::Tensor heads_view(const at::Tensor& x, const char* what, const char* name) {
   return x.stride(2) == 1 ? x : x.contiguous();
 }
 
-inline F16 sigmoid(F16 x) { return set1(1.0f) / (set1(1.0f) + exp(zero() - x)); }
-
 }  // namespace
 
 // a [T, H, d] (a = f_b(f_a(x)) + dt_bias), A_log [H] -> g [T, H, d] float32 = lower_bound * sigmoid(exp(A_log[h]) * a)

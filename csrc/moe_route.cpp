@@ -40,9 +40,9 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits_, const st
     std::vector<int64_t> best_id(top_k);
     for (int64_t t = t0; t < t1; ++t) {
       const float* row = lp + t * E;
-      for (int64_t e = 0; e < E; e += kLanes) {  // sigmoid as torch's: 1 / (1 + exp(-x))
+      for (int64_t e = 0; e < E; e += kLanes) {
         const int m = static_cast<int>(std::min<int64_t>(kLanes, E - e));
-        store(score.data() + e, set1(1.0f) / (set1(1.0f) + exp(zero() - load(row + e, m))), m);
+        store(score.data() + e, sigmoid(load(row + e, m)), m);
       }
       // top-k by insertion into a descending list; strict comparisons keep the lower id first on ties
       int64_t n = 0;
