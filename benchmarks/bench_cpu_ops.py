@@ -1,11 +1,12 @@
 """CPU ops of GLM-5.3: compiled kernels (csrc/) vs plain torch vs the memory floor.
 
     .venv/bin/python benchmarks/bench_cpu_ops.py [--threads N] [--repeat 7] [--batch 8] [--max-context 8192]
-                                                 [--as-avx2-cpu]
+                                                 [--index-heads 32] [--as-avx2-cpu]
 
-Geometry: the real per-head sizes (KDA heads of 128, latent 512, indexer 4 heads of 128, index_topk 64,
+Geometry: the real per-head sizes (KDA heads of 128, latent 512, indexer heads of 128, index_topk 64,
 pools of 4), float32 as in the parity tests, 4 KDA / MLA heads as in the kernel-friendly tiny checkpoint
-(``--heads`` to change). Cache pages of ``--block`` tokens: 512 by default, the token block vLLM gives the
+(``--heads`` to change), the release's 32 indexer heads (``--index-heads``: the indexer's arithmetic grows with
+them, its reads do not). Cache pages of ``--block`` tokens: 512 by default, the token block vLLM gives the
 released model's hybrid cache on a TP8 rank (each block's page must cover a KDA state page, which grows with the
 KDA heads a rank holds: 128 tokens would take TP32; TP1 gets several thousand). The page size sets how the
 indexer's reads are laid out: a page's pooled keys are contiguous (64 KiB per 512-token page in float32, 16 KiB
@@ -279,7 +280,7 @@ class PagedCache:
     ``copies`` times over (each copy's block tables point at its own pages). The values are random: the indexer
     reads the pooled-key region as the stored keys."""
 
-    L, dI, nI, topk, kp = 512, 128, 4, 64, 4
+    L, dI, nI, topk, kp = 512, 128, 32, 64, 4  # nI: --index-heads
     block = 512  # --block
     ROW = cache_row_size(L, dI, kp)
 
@@ -564,6 +565,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeat", type=int, default=7, help="timed calls per cell (their median is reported)")
     parser.add_argument("--heads", type=int, default=4, help="KDA and MLA heads (4: the kernel-friendly tiny)")
+    parser.add_argument("--index-heads", type=int, default=32, help="indexer heads (32: the release's)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per MLA / indexer decode step")
     parser.add_argument("--max-context", type=int, default=8192)
     parser.add_argument("--block", type=int, default=512, help="tokens per cache page (see above)")
@@ -573,6 +575,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     PagedCache.block = args.block
+    PagedCache.nI = args.index_heads
     ops = kernels.ops()
     read_bw, update_bw = bandwidths(args.repeat)
     contexts = [c for c in (16, 64, 256, 1024, 4096, 16384, 65536) if c <= args.max_context]

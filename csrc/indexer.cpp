@@ -13,6 +13,9 @@
 #include "common.h"
 
 #include <limits>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 
@@ -60,11 +63,12 @@ inline void request_key(const T* key, int64_t dI) {
   for (int64_t b = 0; b < dI * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
-// out[i] = sum_h w[h] * relu(scale * q[h] . keys[i]) for n pools, q [nI, dI] and w [nI] float32. Each pass over a
-// key's channels serves four heads (one key load feeds four products; a (pool, head) sum is one accumulator in
-// channel order, as pool_score's heads are added in head order). While pool i is scored, the lines of ahead[i]
-// (i < n_ahead: the keys the caller scores next) are requested, so that their reads spread over this chunk's
-// arithmetic: cold calls wait on memory, and a burst of a whole chunk's requests up front overlaps less (measured).
+// out[i] = sum_h w[h] * relu(scale * q[h] . keys[i]) for n pools, q [nI, dI] and w [nI] float32, for fewer heads
+// than a vector has lanes. Each pass over a key's channels serves four heads (one key load feeds four products; a
+// (pool, head) sum is one accumulator in channel order, as pool_score's heads are added in head order). While pool i
+// is scored, the lines of ahead[i] (i < n_ahead: the keys the caller scores next) are requested, so that their
+// reads spread over this chunk's arithmetic: cold calls wait on memory, and a burst of a whole chunk's requests up
+// front overlaps less (measured).
 template <typename T>
 void score_pools(const T* const* keys, int64_t n, const T* const* ahead, int64_t n_ahead, const float* q,
                  const float* w, int64_t nI, int64_t dI, float scale, float* out) {
@@ -101,6 +105,108 @@ void score_pools(const T* const* keys, int64_t n, const T* const* ahead, int64_t
     out[i] = s;
   }
   for (int64_t i = n; i < n_ahead; ++i) request_key(ahead[i], dI);
+}
+
+// From kLanes heads on (the release has 32) the heads lie along the lanes instead: the query is transposed once
+// per token (qT [dI, nIp], heads padded with zeros to nIp, a multiple of kLanes; w [nIp] likewise), and each key
+// channel, broadcast, multiplies a channel row of qT into its heads' accumulators. A pool then costs one
+// horizontal sum per block of heads instead of one per head (those sums and the per-head scalar ReLU and
+// weighting were a third of the scoring loop's time with four heads, and grow with the heads), and the ReLU and
+// weighting run on whole vectors. kKeysPerPass keys share each qT row load; a (pool, head) dot product is summed
+// in channel order.
+constexpr int kKeysPerPass = kVectorRegs / 4;  // with two vectors of heads: half the registers hold accumulators
+constexpr int kHeadVectors = 2;                // vectors of kLanes heads per block
+
+// s[g] += sum over the block's heads of w[h] * relu(scale * qT[:, h] . kf[g]), HB vectors of heads.
+template <int HB, int G>
+inline void score_head_block(const float* const* kf, const float* qT, int64_t nIp, int64_t dI, float scale,
+                             const float* w, float* s) {
+  // Unrolled, so that the accumulators live in registers (rolled loops kept them in the stack frame).
+  F16 acc[G][HB];
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int b = 0; b < HB; ++b) acc[g][b] = zero();
+  for (int64_t d = 0; d < dI; ++d) {
+    F16 qd[HB];
+#pragma GCC unroll 4
+    for (int b = 0; b < HB; ++b) qd[b] = load(qT + d * nIp + b * kLanes);
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+      const F16 x = set1(kf[g][d]);
+#pragma GCC unroll 4
+      for (int b = 0; b < HB; ++b) acc[g][b] = fma(qd[b], x, acc[g][b]);
+    }
+  }
+  const F16 sc = set1(scale);
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g) {
+    F16 t = relu(acc[g][0] * sc) * load(w);
+#pragma GCC unroll 4
+    for (int b = 1; b < HB; ++b) t = t + relu(acc[g][b] * sc) * load(w + b * kLanes);
+    s[g] += reduce_add(t);
+  }
+}
+
+// out[g] for G keys; 16-bit keys are widened into kbuf [G, dI] first (once, not once per head block).
+template <int G, typename T>
+inline void score_keys_heads(const T* const* keys, const float* qT, const float* w, int64_t nIp, int64_t dI,
+                             float scale, float* kbuf, float* out) {
+  const float* kf[G];
+  for (int g = 0; g < G; ++g) {
+    if constexpr (std::is_same_v<T, float>) {
+      kf[g] = keys[g];
+    } else {
+      float* dst = kbuf + g * dI;
+      for (int64_t c = 0; c < dI; c += kLanes) {
+        const int m = static_cast<int>(std::min<int64_t>(kLanes, dI - c));
+        store(dst + c, load(keys[g] + c, m), m);
+      }
+      kf[g] = dst;
+    }
+  }
+  float s[G] = {};
+  const int64_t block = kHeadVectors * kLanes;
+  int64_t h = 0;
+  for (; h + block <= nIp; h += block) score_head_block<kHeadVectors, G>(kf, qT + h, nIp, dI, scale, w + h, s);
+  for (; h < nIp; h += kLanes) score_head_block<1, G>(kf, qT + h, nIp, dI, scale, w + h, s);
+  for (int g = 0; g < G; ++g) out[g] = s[g];
+}
+
+// score_pools for heads along the lanes (qT, w as above; kbuf [kKeysPerPass, dI]), with the same requests ahead.
+template <typename T>
+void score_pools_heads(const T* const* keys, int64_t n, const T* const* ahead, int64_t n_ahead, const float* qT,
+                       const float* w, int64_t nIp, int64_t dI, float scale, float* kbuf, float* out) {
+  int64_t i = 0;
+  for (; i + kKeysPerPass <= n; i += kKeysPerPass) {
+    for (int64_t j = i; j < std::min(i + kKeysPerPass, n_ahead); ++j) request_key(ahead[j], dI);
+    score_keys_heads<kKeysPerPass>(keys + i, qT, w, nIp, dI, scale, kbuf, out + i);
+  }
+  for (; i < n; ++i) {
+    if (i < n_ahead) request_key(ahead[i], dI);
+    score_keys_heads<1>(keys + i, qT, w, nIp, dI, scale, kbuf, out + i);
+  }
+  for (int64_t j = n; j < n_ahead; ++j) request_key(ahead[j], dI);
+}
+
+// qT [T, dI, nIp] and w [T, nIp] from q [T, nI, dI] and w [T, nI] (float32, contiguous), heads zero-padded to
+// nIp. A plain loop: torch's transposing copy was slower on a cold call (its code is cold too).
+std::pair<at::Tensor, at::Tensor> heads_on_lanes(const at::Tensor& q, const at::Tensor& w, int64_t nIp) {
+  const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2);
+  at::Tensor qT = at::empty({T, dI, nIp}, q.options()), wp = at::empty({T, nIp}, q.options());
+  const float *src = q.data_ptr<float>(), *ws = w.data_ptr<float>();
+  float *dst = qT.data_ptr<float>(), *wd = wp.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t d = 0; d < dI; ++d) {
+        float* row = dst + (t * dI + d) * nIp;
+        for (int64_t h = 0; h < nI; ++h) row[h] = src[(t * nI + h) * dI + d];
+        for (int64_t h = nI; h < nIp; ++h) row[h] = 0.0f;
+      }
+      for (int64_t h = 0; h < nIp; ++h) wd[t * nIp + h] = h < nI ? ws[t * nI + h] : 0.0f;
+    }
+  });
+  return {qT, wp};
 }
 
 inline int64_t index_width(int64_t topk, int64_t kp, bool tail) { return topk + (tail ? kp - 1 : 0); }
@@ -317,6 +423,10 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
     buf_off[r + 1] = buf_off[r] + q_len * cols;
   }
   std::vector<float> scores(buf_off[n_req], kLowest);
+  const bool lanes = nI >= kLanes && !items.empty();  // heads along the lanes (score_pools_heads)
+  const int64_t nIp = (nI + kLanes - 1) / kLanes * kLanes;
+  at::Tensor qT, wp;
+  if (lanes) std::tie(qT, wp) = heads_on_lanes(q, w, nIp);
 
   GLM53_DISPATCH_FLOAT_TYPES(pooled.scalar_type(), "indexer_select", [&] {
     const scalar_t* base = pooled.data_ptr<scalar_t>();
@@ -337,6 +447,7 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
       const scalar_t* bufs[2][kPoolChunk];
       const scalar_t** keys = bufs[0];
       const scalar_t** next = bufs[1];
+      std::vector<float> kbuf(lanes ? kKeysPerPass * dI : 0);
       int64_t n_keys = i0 < i1 ? chunk_keys(i0, keys) : 0;
       for (int64_t i = i0; i < i1; ++i) {
         const auto [r, p0] = items[i];
@@ -348,9 +459,16 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
         for (int64_t t = 0; t < q_len; ++t) {
           const int64_t n_cand = (S - q_len + t + 1) / kp;  // pools complete at this query's position
           if (n_cand <= p0) continue;
-          const float* qt = q.data_ptr<float>() + (q0 + t) * nI * dI;
-          const float* wt = w.data_ptr<float>() + (q0 + t) * nI;
-          score_pools(keys, std::min(n_keys, n_cand - p0), next, n_ahead, qt, wt, nI, dI, scale, sc + t * cols + p0);
+          const int64_t n_score = std::min(n_keys, n_cand - p0);
+          if (lanes) {
+            const float* qt = qT.data_ptr<float>() + (q0 + t) * dI * nIp;
+            const float* wt = wp.data_ptr<float>() + (q0 + t) * nIp;
+            score_pools_heads(keys, n_score, next, n_ahead, qt, wt, nIp, dI, scale, kbuf.data(), sc + t * cols + p0);
+          } else {
+            const float* qt = q.data_ptr<float>() + (q0 + t) * nI * dI;
+            const float* wt = w.data_ptr<float>() + (q0 + t) * nI;
+            score_pools(keys, n_score, next, n_ahead, qt, wt, nI, dI, scale, sc + t * cols + p0);
+          }
           n_ahead = 0;
         }
         for (int64_t j = 0; j < n_ahead; ++j) request_key(next[j], dI);

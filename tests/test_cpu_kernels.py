@@ -441,13 +441,16 @@ def test_write_tokens_identical_to_torch(dtype, with_keys):
     assert torch.equal(raw, page_views(cache, lead, dI, kp).raw) != with_keys
 
 
+# Heads: a group of four and two more (score_pools); one vector of heads and two vectors plus a padded third
+# (score_pools_heads, from 16 heads on).
+@pytest.mark.parametrize("nI", [6, 16, 40])
 @pytest.mark.parametrize("integer_valued", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_select_batch_identical_to_torch(integer_valued, dtype):
+def test_select_batch_identical_to_torch(integer_valued, dtype, nI):
     """Integer-valued keys, queries and weights with uniform gates make every score exact in both paths (the
     pooled keys are means of small integers), so ties are everywhere and must break identically; random values
     check the general case."""
-    topk, kp, dI, nI, lead, bs = 16, 4, 16, 6, 10, 8  # heads: a group of four and two more (score_pools)
+    topk, kp, dI, lead, bs = 16, 4, 16, 10, 8
     gen = _gen(22)
     row = cache_row_size(lead, dI, kp, block_size=bs)
     cache, table = _paged(SEQ_LENS, row, bs, dtype, 23, lambda r, S: torch.zeros(S, row))
