@@ -11,11 +11,11 @@
 // same pools.
 
 #include "common.h"
+#include "gemv.h"  // token_pairs_into, amx.h
 
+#include <cstring>
 #include <limits>
-#include <tuple>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 
@@ -189,25 +189,82 @@ void score_pools_heads(const T* const* keys, int64_t n, const T* const* ahead, i
   for (int64_t j = n; j < n_ahead; ++j) request_key(ahead[j], dI);
 }
 
-// qT [T, dI, nIp] and w [T, nIp] from q [T, nI, dI] and w [T, nI] (float32, contiguous), heads zero-padded to
-// nIp. A plain loop: torch's transposing copy was slower on a cold call (its code is cold too).
-std::pair<at::Tensor, at::Tensor> heads_on_lanes(const at::Tensor& q, const at::Tensor& w, int64_t nIp) {
+// qT [T, dI, nIp] from q [T, nI, dI] (float32, contiguous), heads zero-padded to nIp. A plain loop: torch's
+// transposing copy was slower on a cold call (its code is cold too).
+at::Tensor transposed_queries(const at::Tensor& q, int64_t nIp) {
   const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2);
-  at::Tensor qT = at::empty({T, dI, nIp}, q.options()), wp = at::empty({T, nIp}, q.options());
-  const float *src = q.data_ptr<float>(), *ws = w.data_ptr<float>();
-  float *dst = qT.data_ptr<float>(), *wd = wp.data_ptr<float>();
+  at::Tensor qT = at::empty({T, dI, nIp}, q.options());
+  const float* src = q.data_ptr<float>();
+  float* dst = qT.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = t0; t < t1; ++t)
       for (int64_t d = 0; d < dI; ++d) {
         float* row = dst + (t * dI + d) * nIp;
         for (int64_t h = 0; h < nI; ++h) row[h] = src[(t * nI + h) * dI + d];
         for (int64_t h = nI; h < nIp; ++h) row[h] = 0.0f;
       }
-      for (int64_t h = 0; h < nIp; ++h) wd[t * nIp + h] = h < nI ? ws[t * nI + h] : 0.0f;
-    }
   });
-  return {qT, wp};
+  return qT;
 }
+
+// w [T, nIp] from w [T, nI] (float32, contiguous), zero-padded.
+at::Tensor padded_weights(const at::Tensor& w, int64_t nIp) {
+  const int64_t T = w.size(0), nI = w.size(1);
+  at::Tensor wp = at::zeros({T, nIp}, w.options());
+  wp.narrow(1, 0, nI).copy_(w);
+  return wp;
+}
+
+#if GLM53_HAS_AMX
+// With AMX tiles and bfloat16 queries and keys (a bfloat16 model's: float32 queries would first have to be rounded)
+// the products of score_pools_heads run on the tiles (amx.h): A = 16 pools' keys (32 channels a product, read from
+// the page where the 16 lie in one run, else copied into ``stage`` [16, dIp], whose padding columns stay zero),
+// B = 16 heads' query channels in pairs (query_pairs), C = 16 pools x 16 heads in float32; then the ReLU, weighting
+// and one horizontal sum per pool and block of 16 heads in vectors. tdpbf16ps multiplies exactly and sums in float32
+// (inputs and results below 2^-126 flushed to zero), so only the order of the sums differs from the other paths.
+// On this VM's one vector FMA a cycle the 32-head sums took ~280 cycles a pool; one product covers 16 x 16 x 32.
+
+// Per token t, block b of 16 heads, channel pair p < dIp / 2: xq[((t * blocks + b) * dIp / 2 + p) * kLanes + lane] =
+// head (16 b + lane)'s channels 2p, 2p + 1 as bfloat16 (exact), zero past the heads and channels.
+at::Tensor query_pairs(const at::Tensor& q, int64_t blocks, int64_t dIp) {
+  const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2);
+  at::Tensor xq = at::zeros({T, blocks * dIp / 2 * kLanes}, q.options().dtype(at::kInt));
+  const float* src = q.data_ptr<float>();
+  auto* dst = reinterpret_cast<uint32_t*>(xq.data_ptr<int32_t>());
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      token_pairs_into([&](int64_t h) { return src + (t * nI + h) * dI; }, nI, dI, dIp / 2,
+                       [](int64_t p) { return p; }, dst + t * blocks * dIp / 2 * kLanes);
+  });
+  return xq;
+}
+
+GLM53_AMX void score_pools_tiles(const c10::BFloat16* const* keys, int64_t n, const c10::BFloat16* const* ahead,
+                                 int64_t n_ahead, const uint32_t* xq, const float* w, int64_t blocks, int64_t dI,
+                                 int64_t dIp, float scale, c10::BFloat16* stage, float* out) {
+  alignas(64) float c[kLanes][kLanes];
+  const F16 sc = set1(scale);
+  for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, n - i0);
+    for (int64_t j = i0; j < std::min(i0 + kLanes, n_ahead); ++j) request_key(ahead[j], dI);
+    const c10::BFloat16* rows = keys[i0];
+    bool run = m == kLanes && dI == dIp;
+    for (int64_t j = 1; run && j < kLanes; ++j) run = keys[i0 + j] == rows + j * dI;
+    if (!run) {
+      for (int64_t j = 0; j < m; ++j) std::memcpy(stage + j * dIp, keys[i0 + j], dI * sizeof(c10::BFloat16));
+      rows = stage;
+    }
+    float s[kLanes] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      amx_rows_by_pairs(rows, nullptr, dIp * sizeof(c10::BFloat16), xq + b * dIp / 2 * kLanes, dIp, c, nullptr);
+      const F16 wb = load(w + b * kLanes);
+      for (int64_t j = 0; j < m; ++j) s[j] += reduce_add(relu(load(c[j]) * sc) * wb);
+    }
+    for (int64_t j = 0; j < m; ++j) out[i0 + j] = s[j];
+  }
+  for (int64_t j = n; j < n_ahead; ++j) request_key(ahead[j], dI);
+}
+#endif
 
 inline int64_t index_width(int64_t topk, int64_t kp, bool tail) { return topk + (tail ? kp - 1 : 0); }
 
@@ -424,9 +481,19 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
   }
   std::vector<float> scores(buf_off[n_req], kLowest);
   const bool lanes = nI >= kLanes && !items.empty();  // heads along the lanes (score_pools_heads)
-  const int64_t nIp = (nI + kLanes - 1) / kLanes * kLanes;
-  at::Tensor qT, wp;
-  if (lanes) std::tie(qT, wp) = heads_on_lanes(q, w, nIp);
+  const int64_t nIp = (nI + kLanes - 1) / kLanes * kLanes, dIp = (dI + 31) / 32 * 32;
+#if GLM53_HAS_AMX
+  const bool tiles = lanes && amx_tiles() && q_.scalar_type() == at::kBFloat16 &&
+                     pooled.scalar_type() == at::kBFloat16 && dI % 2 == 0;  // score_pools_tiles
+#else
+  const bool tiles = false;
+#endif
+  at::Tensor qT, xq, wp;
+  if (lanes) wp = padded_weights(w, nIp);
+  if (lanes && !tiles) qT = transposed_queries(q, nIp);
+#if GLM53_HAS_AMX
+  if (tiles) xq = query_pairs(q, nIp / kLanes, dIp);
+#endif
 
   GLM53_DISPATCH_FLOAT_TYPES(pooled.scalar_type(), "indexer_select", [&] {
     const scalar_t* base = pooled.data_ptr<scalar_t>();
@@ -447,7 +514,11 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
       const scalar_t* bufs[2][kPoolChunk];
       const scalar_t** keys = bufs[0];
       const scalar_t** next = bufs[1];
-      std::vector<float> kbuf(lanes ? kKeysPerPass * dI : 0);
+      std::vector<float> kbuf(lanes && !tiles ? kKeysPerPass * dI : 0);
+#if GLM53_HAS_AMX
+      std::vector<c10::BFloat16> stage(tiles ? kLanes * dIp : 0, c10::BFloat16(0.0f));
+      if (tiles) amx_configure();
+#endif
       int64_t n_keys = i0 < i1 ? chunk_keys(i0, keys) : 0;
       for (int64_t i = i0; i < i1; ++i) {
         const auto [r, p0] = items[i];
@@ -460,7 +531,15 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
           const int64_t n_cand = (S - q_len + t + 1) / kp;  // pools complete at this query's position
           if (n_cand <= p0) continue;
           const int64_t n_score = std::min(n_keys, n_cand - p0);
-          if (lanes) {
+          if (tiles) {
+#if GLM53_HAS_AMX
+            using B16 = const c10::BFloat16* const*;  // tiles: the keys are bfloat16 (scalar_t is, at run time)
+            score_pools_tiles(reinterpret_cast<B16>(keys), n_score, reinterpret_cast<B16>(next), n_ahead,
+                              reinterpret_cast<const uint32_t*>(xq.data_ptr<int32_t>()) + (q0 + t) * nIp / 2 * dIp,
+                              wp.data_ptr<float>() + (q0 + t) * nIp, nIp / kLanes, dI, dIp, scale, stage.data(),
+                              sc + t * cols + p0);
+#endif
+          } else if (lanes) {
             const float* qt = qT.data_ptr<float>() + (q0 + t) * dI * nIp;
             const float* wt = wp.data_ptr<float>() + (q0 + t) * nIp;
             score_pools_heads(keys, n_score, next, n_ahead, qt, wt, nIp, dI, scale, kbuf.data(), sc + t * cols + p0);
@@ -475,6 +554,9 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
         std::swap(keys, next);
         n_keys = n_following;
       }
+#if GLM53_HAS_AMX
+      if (tiles) amx_release();
+#endif
     });
   });
 

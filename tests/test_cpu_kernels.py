@@ -442,15 +442,19 @@ def test_write_tokens_identical_to_torch(dtype, with_keys):
 
 
 # Heads: a group of four and two more (score_pools); one vector of heads and two vectors plus a padded third
-# (score_pools_heads, from 16 heads on).
+# (score_pools_heads, from 16 heads on; bfloat16 on AMX tiles: score_pools_tiles). Keys of 16 channels (the tiles
+# pad them to 32) and of 64 (two tile rows) in pages of 2 pools, and of 64 in pages of 16 pools, where the tiles
+# read 16 pools straight from the page (dI = 16 and 64 keep the scale dI**-0.5 a power of two: the integer-valued
+# scores stay exact).
+@pytest.mark.parametrize("dI,bs", [(16, 8), (64, 8), (64, 64)])
 @pytest.mark.parametrize("nI", [6, 16, 40])
 @pytest.mark.parametrize("integer_valued", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_select_batch_identical_to_torch(integer_valued, dtype, nI):
+def test_select_batch_identical_to_torch(integer_valued, dtype, nI, dI, bs, bf16_products):
     """Integer-valued keys, queries and weights with uniform gates make every score exact in both paths (the
     pooled keys are means of small integers), so ties are everywhere and must break identically; random values
     check the general case."""
-    topk, kp, dI, lead, bs = 16, 4, 16, 10, 8
+    topk, kp, lead = 16, 4, 10
     gen = _gen(22)
     row = cache_row_size(lead, dI, kp, block_size=bs)
     cache, table = _paged(SEQ_LENS, row, bs, dtype, 23, lambda r, S: torch.zeros(S, row))
