@@ -6,7 +6,8 @@
 Geometry: the real per-head sizes (KDA heads of 128, latent 512, indexer heads of 128, index_topk 64,
 pools of 4), float32 as in the parity tests, 4 KDA / MLA heads as in the kernel-friendly tiny checkpoint
 (``--heads`` to change), the release's 32 indexer heads (``--index-heads``: the indexer's arithmetic grows with
-them, its reads do not). Cache pages of ``--block`` tokens: 512 by default, the token block vLLM gives the
+them, its reads do not; the indexer table runs a float32 and a bfloat16 cache, whose keys and queries the avx512
+kernels multiply on AMX tiles where the CPU has them). Cache pages of ``--block`` tokens: 512 by default, the token block vLLM gives the
 released model's hybrid cache on a TP8 rank (each block's page must cover a KDA state page, which grows with the
 KDA heads a rank holds: 128 tokens would take TP32; TP1 gets several thousand). The page size sets how the
 indexer's reads are laid out: a page's pooled keys are contiguous (64 KiB per 512-token page in float32, 16 KiB
@@ -284,11 +285,11 @@ class PagedCache:
     block = 512  # --block
     ROW = cache_row_size(L, dI, kp)
 
-    def __init__(self, B: int, S: int, copies: int):
+    def __init__(self, B: int, S: int, copies: int, dtype: torch.dtype = torch.float32):
         nb = -(-S // self.block)
         self.copies = copies
         total = copies * B * nb
-        self.pages = page_views(torch.randn(total, self.block, self.ROW) * 0.5, self.L, self.dI, self.kp)
+        self.pages = page_views((torch.randn(total, self.block, self.ROW) * 0.5).to(dtype), self.L, self.dI, self.kp)
         self.tables = torch.randperm(total).view(copies, B, nb).to(torch.int32)
         self.B, self.S = B, S
         self.starts = list(range(B + 1))
@@ -297,8 +298,8 @@ class PagedCache:
         self.plans = [self._make_plan(copy) for copy in range(copies)]
 
     @classmethod
-    def bytes_per_copy(cls, B: int, S: int) -> int:
-        return B * -(-S // cls.block) * cls.block * cls.ROW * 4
+    def bytes_per_copy(cls, B: int, S: int, itemsize: int = 4) -> int:
+        return B * -(-S // cls.block) * cls.block * cls.ROW * itemsize
 
     def table(self, i: int) -> torch.Tensor:
         return self.tables[i % self.copies]
@@ -378,33 +379,37 @@ def bench_sparse_mla(H: int, B: int, contexts: list[int], bw: float, repeat: int
 
 
 def bench_indexer(B: int, contexts: list[int], bw: float, repeat: int, ops) -> list[str]:
+    """float32 (the parity tests' cache) and bfloat16 (a bfloat16 model's: its keys and queries, which the avx512
+    kernels multiply on AMX tiles where the CPU has them) caches."""
     c = PagedCache
     out = [
         f"Indexer decode: pooled-key reads + scores + top-k (batch {B}, {c.nI} heads of {c.dI}, pools of {c.kp}, "
         f"top {c.topk // c.kp} pools); times in µs",
         "",
-        row("context", "torch", "compiled", "floor", "x floor", "speed-up vs torch"),
-        row(*["---"] * 6),
+        row("cache", "context", "torch", "compiled", "floor", "x floor", "speed-up vs torch"),
+        row(*["---"] * 7),
     ]
-    for S in contexts:
-        cache = PagedCache(B, S, copies_for(PagedCache.bytes_per_copy(B, S), repeat))
-        q, w = torch.randn(B, c.nI, c.dI), torch.randn(B, c.nI)
+    for dtype in (torch.float32, torch.bfloat16):
+        size = torch.finfo(dtype).bits // 8
+        for S in contexts:
+            cache = PagedCache(B, S, copies_for(PagedCache.bytes_per_copy(B, S, size), repeat), dtype)
+            q, w = torch.randn(B, c.nI, c.dI).to(dtype), torch.randn(B, c.nI)
 
-        def select(impl):
-            fn = ix.select_batch.implementation(impl)
-            return lambda i: fn(q, w, cache.pages.pooled, cache.plan(i), c.topk, c.kp)
+            def select(impl):
+                fn = ix.select_batch.implementation(impl)
+                return lambda i: fn(q, w, cache.pages.pooled, cache.plan(i), c.topk, c.kp)
 
-        t_comp = None
-        if ops is not None:
-            got, want = select("compiled")(0), select("torch")(0)
-            if not torch.equal(got, want):
-                raise SystemExit(f"indexer, context {S}: compiled and torch selections differ")
-            t_comp = median_time(select("compiled"), repeat)
-        t_torch = median_time(select("torch"), repeat, first=repeat + 1)
-        floor = B * (S // c.kp) * c.dI * 4 / bw  # one stored key per complete pool
-        out.append(row(S, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor), f"{t_comp / floor:.2f}" if t_comp else "—",
-                       f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
-        del cache
+            t_comp = None
+            if ops is not None:
+                got, want = select("compiled")(0), select("torch")(0)
+                if not torch.equal(got, want):
+                    raise SystemExit(f"indexer, {dtype}, context {S}: compiled and torch selections differ")
+                t_comp = median_time(select("compiled"), repeat)
+            t_torch = median_time(select("torch"), repeat, first=repeat + 1)
+            floor = B * (S // c.kp) * c.dI * size / bw  # one stored key per complete pool
+            out.append(row(str(dtype).removeprefix("torch."), S, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor),
+                           f"{t_comp / floor:.2f}" if t_comp else "—", f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
+            del cache
     return out
 
 

@@ -1,5 +1,6 @@
 // AMX tiles (Intel Xeon from Sapphire Rapids on) for the products with bfloat16 tokens: block-FP8 weights (the tile
-// path of fp8_linear and moe_experts_fp8) and bfloat16 experts (moe_experts).
+// path of fp8_linear and moe_experts_fp8), bfloat16 experts (moe_experts), and the indexer's pool scores
+// (indexer.cpp's score_pools_tiles: the pooled keys as the rows, the query's heads as the tokens).
 //
 // The avx512 build's bfloat16 pairs (gemv.h) multiply a widened row tile with 16 tokens one column pair and one
 // vdpbf16ps at a time: 16 weights x 16 tokens per instruction. On an Intel Xeon with AMX that runs about one
