@@ -3,15 +3,14 @@
     .venv/bin/python benchmarks/bench_cpu_ops.py [--threads N] [--repeat 7] [--batch 8] [--max-context 8192]
                                                  [--index-heads 32] [--as-avx2-cpu]
 
-Geometry: the real per-head sizes (KDA heads of 128, latent 512, indexer heads of 128, index_topk 64,
-pools of 4), float32 as in the parity tests, 4 KDA / MLA heads as in the kernel-friendly tiny checkpoint
-(``--heads`` to change), the release's 32 indexer heads (``--index-heads``: the indexer's arithmetic grows with
-them, its reads do not; the indexer table runs a float32 and a bfloat16 cache, whose keys and queries the avx512
-kernels multiply on AMX tiles where the CPU has them). Cache pages of ``--block`` tokens: 512 by default, the token block vLLM gives the
-released model's hybrid cache on a TP8 rank (each block's page must cover a KDA state page, which grows with the
-KDA heads a rank holds: 128 tokens would take TP32; TP1 gets several thousand). The page size sets how the
-indexer's reads are laid out: a page's pooled keys are contiguous (64 KiB per 512-token page in float32, 16 KiB
-per 128-token page).
+Geometry: the real per-head sizes (KDA heads of 128, latent 512, indexer heads of 128, index_topk 64, pools of 4),
+float32 as in the parity tests, 4 KDA / MLA heads as in the kernel-friendly tiny checkpoint (``--heads`` to change),
+the release's 32 indexer heads (``--index-heads``: the indexer's arithmetic grows with them, its reads do not; the
+indexer table runs a float32 and a bfloat16 cache, whose keys and queries the avx512 kernels multiply on AMX tiles
+where the CPU has them). Cache pages of ``--block`` tokens: 512 by default, the token block vLLM gives the released
+model's hybrid cache on a TP8 rank (each block's page must cover a KDA state page, which grows with the KDA heads a
+rank holds: 128 tokens would take TP32; TP1 gets several thousand). The page size sets how the indexer's reads are
+laid out: a page's pooled keys are contiguous (64 KiB per 512-token page in float32, 16 KiB per 128-token page).
 ``VLLM_GLM53_CPU_ISA=avx2`` (or ``portable``) times another instruction set's kernels.
 
 Every timed call is cold, as in a model step where other layers ran in between: the last-level cache is flushed
@@ -407,8 +406,9 @@ def bench_indexer(B: int, contexts: list[int], bw: float, repeat: int, ops) -> l
                 t_comp = median_time(select("compiled"), repeat)
             t_torch = median_time(select("torch"), repeat, first=repeat + 1)
             floor = B * (S // c.kp) * c.dI * size / bw  # one stored key per complete pool
+            ratio, speed_up = (f"{t_comp / floor:.2f}", f"{t_torch / t_comp:.1f}x") if t_comp else ("—", "—")
             out.append(row(str(dtype).removeprefix("torch."), S, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor),
-                           f"{t_comp / floor:.2f}" if t_comp else "—", f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
+                           ratio, speed_up))
             del cache
     return out
 

@@ -157,12 +157,8 @@ inline void score_keys_heads(const T* const* keys, const float* qT, const float*
     if constexpr (std::is_same_v<T, float>) {
       kf[g] = keys[g];
     } else {
-      float* dst = kbuf + g * dI;
-      for (int64_t c = 0; c < dI; c += kLanes) {
-        const int m = static_cast<int>(std::min<int64_t>(kLanes, dI - c));
-        store(dst + c, load(keys[g] + c, m), m);
-      }
-      kf[g] = dst;
+      to_float(keys[g], kbuf + g * dI, dI);
+      kf[g] = kbuf + g * dI;
     }
   }
   float s[G] = {};
