@@ -147,6 +147,26 @@ GLM53_AMX inline void amx_rows_by_pairs(const c10::BFloat16* rows0, const c10::B
   }
   _tile_stored(0, c0, kLanes * sizeof(float));
 }
+
+// c0 = rows . x0 and c1 = rows . x1 over len columns (a multiple of 32): one set of 16 bfloat16 rows as in
+// amx_rows_by_pairs, two blocks of 16 tokens' column pairs (x0, x1: token_pairs_in_order's layout) sharing each load
+// of the rows, the two sums in separate C tiles. The tiles must be configured (amx_configure).
+GLM53_AMX inline void amx_rows_by_two_pairs(const c10::BFloat16* rows, int64_t row_bytes, const uint32_t* x0,
+                                            const uint32_t* x1, int64_t len, float (*c0)[kLanes],
+                                            float (*c1)[kLanes]) {
+  constexpr int64_t kPairRow = kLanes * sizeof(uint32_t);
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t p = 0; p < len; p += 32) {
+    _tile_loadd(2, rows + p, row_bytes);
+    _tile_loadd(4, x0 + p / 2 * kLanes, kPairRow);
+    _tile_loadd(5, x1 + p / 2 * kLanes, kPairRow);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 2, 5);
+  }
+  _tile_stored(0, c0, kLanes * sizeof(float));
+  _tile_stored(1, c1, kLanes * sizeof(float));
+}
 #endif
 
 }  // namespace glm53

@@ -63,6 +63,14 @@ inline void request_key(const T* key, int64_t dI) {
   for (int64_t b = 0; b < dI * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
+// The same into the L2 (prefetcht2): the request then holds an entry of the L2's longer miss queue instead of one of
+// the L1's few line fill buffers until memory answers (score_pools_tiles, Intel only).
+template <typename T>
+inline void request_key_into_l2(const T* key, int64_t dI) {
+  const char* p = reinterpret_cast<const char*>(key);
+  for (int64_t b = 0; b < dI * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 1);
+}
+
 // out[i] = sum_h w[h] * relu(scale * q[h] . keys[i]) for n pools, q [nI, dI] and w [nI] float32, for fewer heads
 // than a vector has lanes. Each pass over a key's channels serves four heads (one key load feeds four products; a
 // (pool, head) sum is one accumulator in channel order, as pool_score's heads are added in head order). While pool i
@@ -215,10 +223,13 @@ at::Tensor padded_weights(const at::Tensor& w, int64_t nIp) {
 // With AMX tiles and bfloat16 queries and keys (a bfloat16 model's: float32 queries would first have to be rounded)
 // the products of score_pools_heads run on the tiles (amx.h): A = 16 pools' keys (32 channels a product, read from
 // the page where the 16 lie in one run, else copied into ``stage`` [16, dIp], whose padding columns stay zero),
-// B = 16 heads' query channels in pairs (query_pairs), C = 16 pools x 16 heads in float32; then the ReLU, weighting
-// and one horizontal sum per pool and block of 16 heads in vectors. tdpbf16ps multiplies exactly and sums in float32
-// (inputs and results below 2^-126 flushed to zero), so only the order of the sums differs from the other paths.
-// On this VM's one vector FMA a cycle the 32-head sums took ~280 cycles a pool; one product covers 16 x 16 x 32.
+// B = 16 heads' query channels in pairs (query_pairs), C = 16 pools x 16 heads in float32, two blocks of heads to
+// each load of A; then the ReLU and weighting in vectors, summed over the blocks, and the 16 pools' horizontal sums
+// together (sums_of_16). tdpbf16ps multiplies exactly and sums in float32 (inputs and results below 2^-126 flushed to
+// zero), so only the order of the sums differs from the other paths. One product covers 16 x 16 x 32 (on the lanes
+// the 32-head sums took ~280 cycles a pool at one vector FMA a cycle), so the keys' arrival bounds this loop: it asks
+// for the next item's keys into the L2, spread over the loop (a burst of L1 requests at each group of 16 pools held
+// every line fill buffer, and the loop waited on them: benchmarks/README.md).
 
 // Per token t, block b of 16 heads, channel pair p < dIp / 2: xq[((t * blocks + b) * dIp / 2 + p) * kLanes + lane] =
 // head (16 b + lane)'s channels 2p, 2p + 1 as bfloat16 (exact), zero past the heads and channels.
@@ -235,14 +246,35 @@ at::Tensor query_pairs(const at::Tensor& q, int64_t blocks, int64_t dIp) {
   return xq;
 }
 
+// The sums of 16 vectors' lanes, sum[j] = reduce_add(v[j]) (the same tree, so the same result): halves of pairs of
+// vectors, then quarters, then pairs of lanes, each level one add for twice the vectors of the level before, and a
+// last permutation into order; ~3 instructions a vector where reduce_add takes ~8.
+inline F16 sums_of_16(const F16* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes: v[2i] (0 + 2, 1 + 3), v[2i + 1] (0 + 2, 1 + 3)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i].v, v[2 * i + 1].v, 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane k: v[4i + k]'s four partial sums
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // lane k: v[8i + k] (two partials), v[8i + 4 + k] (two)
+    z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[2 * i], y[2 * i + 1]), _mm512_unpackhi_ps(y[2 * i], y[2 * i + 1]));
+  const __m512 r = _mm512_add_ps(  // element 4k + m: the sum of v[4m + k]
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return {_mm512_permutexvar_ps(order, r)};
+}
+
 GLM53_AMX void score_pools_tiles(const c10::BFloat16* const* keys, int64_t n, const c10::BFloat16* const* ahead,
                                  int64_t n_ahead, const uint32_t* xq, const float* w, int64_t blocks, int64_t dI,
                                  int64_t dIp, float scale, c10::BFloat16* stage, float* out) {
-  alignas(64) float c[kLanes][kLanes];
+  alignas(64) float c[2][kLanes][kLanes];
   const F16 sc = set1(scale);
+  const int64_t row_bytes = dIp * sizeof(c10::BFloat16), block = dIp / 2 * kLanes;
   for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
     const int64_t m = std::min<int64_t>(kLanes, n - i0);
-    for (int64_t j = i0; j < std::min(i0 + kLanes, n_ahead); ++j) request_key(ahead[j], dI);
+    const int64_t n_req = std::clamp<int64_t>(n_ahead - i0, 0, kLanes);
     const c10::BFloat16* rows = keys[i0];
     bool run = m == kLanes && dI == dIp;
     for (int64_t j = 1; run && j < kLanes; ++j) run = keys[i0 + j] == rows + j * dI;
@@ -250,15 +282,26 @@ GLM53_AMX void score_pools_tiles(const c10::BFloat16* const* keys, int64_t n, co
       for (int64_t j = 0; j < m; ++j) std::memcpy(stage + j * dIp, keys[i0 + j], dI * sizeof(c10::BFloat16));
       rows = stage;
     }
-    float s[kLanes] = {};
-    for (int64_t b = 0; b < blocks; ++b) {
-      amx_rows_by_pairs(rows, nullptr, dIp * sizeof(c10::BFloat16), xq + b * dIp / 2 * kLanes, dIp, c, nullptr);
-      const F16 wb = load(w + b * kLanes);
-      for (int64_t j = 0; j < m; ++j) s[j] += reduce_add(relu(load(c[j]) * sc) * wb);
+    // v[j]: pool i0 + j's weighted ReLU terms, a lane per head of a block, summed over the blocks. Two blocks of
+    // heads share each load of the keys; the next item's keys are requested one pool at a time meanwhile.
+    F16 v[kLanes];
+    for (int64_t b = 0; b < blocks; b += 2) {
+      const uint32_t* x = xq + b * block;
+      const bool two = b + 1 < blocks;
+      if (two) amx_rows_by_two_pairs(rows, row_bytes, x, x + block, dIp, c[0], c[1]);
+      else amx_rows_by_pairs(rows, nullptr, row_bytes, x, dIp, c[0], nullptr);
+      const F16 w0 = load(w + b * kLanes), w1 = two ? load(w + (b + 1) * kLanes) : zero();
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < kLanes; ++j) {
+        if (b == 0 && j < n_req) request_key_into_l2(ahead[i0 + j], dI);
+        F16 t = relu(load(c[0][j]) * sc) * w0;
+        if (two) t = t + relu(load(c[1][j]) * sc) * w1;
+        v[j] = b == 0 ? t : v[j] + t;
+      }
     }
-    for (int64_t j = 0; j < m; ++j) out[i0 + j] = s[j];
+    store(out + i0, sums_of_16(v), static_cast<int>(m));
   }
-  for (int64_t j = n; j < n_ahead; ++j) request_key(ahead[j], dI);
+  for (int64_t j = n; j < n_ahead; ++j) request_key_into_l2(ahead[j], dI);
 }
 #endif
 
@@ -493,17 +536,22 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
 
   GLM53_DISPATCH_FLOAT_TYPES(pooled.scalar_type(), "indexer_select", [&] {
     const scalar_t* base = pooled.data_ptr<scalar_t>();
+    const int64_t block_stride = pooled.stride(0), pool_stride = pooled.stride(1);
     // Pool p's compressed key: slot p % pools of the pooled keys of the request's block p / pools.
     auto pooled_key = [&](int64_t r, int64_t p) {
       const int64_t blk = btp[r * max_blocks + p / pools];
       TORCH_CHECK(blk >= 0 && blk < n_blocks, "indexer_select: block id ", blk, " outside the cache");
-      return base + blk * pooled.stride(0) + (p % pools) * pooled.stride(1);
+      return base + blk * block_stride + (p % pools) * pool_stride;
     };
     // Item i's keys into ``keys``; returns their count.
     auto chunk_keys = [&](int64_t i, const scalar_t** keys) {
       const auto [r, p0] = items[i];
       const int64_t p1 = std::min(p0 + kPoolChunk, lens[r] / kp);
-      for (int64_t p = p0; p < p1; ++p) keys[p - p0] = pooled_key(r, p);
+      for (int64_t p = p0; p < p1;) {  // a block's pools in one run (one lookup and division per block)
+        const scalar_t* key = pooled_key(r, p);
+        for (const int64_t end = std::min(p1, (p / pools + 1) * pools); p < end; ++p, key += pool_stride)
+          keys[p - p0] = key;
+      }
       return p1 - p0;
     };
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
