@@ -34,6 +34,7 @@ at::Tensor indexer_select(const at::Tensor& q, const at::Tensor& weights, const 
 at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& rows, const at::Tensor& block_table,
                                    const at::Tensor& query_start_loc, const at::Tensor& indices, double scale,
                                    int64_t latent_dim);
+at::Tensor head_products(const at::Tensor& x, const at::Tensor& tiles, int64_t N);
 void write_tokens(at::Tensor& latent_pages, at::Tensor& raw, const at::Tensor& slot_mapping, const at::Tensor& latent,
                   const std::optional<at::Tensor>& key_gate);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -89,6 +90,7 @@ TORCH_LIBRARY(vllm_glm53, m) {
         " Tensor seq_lens, int topk, int kp, bool always_select_tail) -> Tensor");
   m.def("sparse_latent_attention(Tensor q_lat, Tensor rows, Tensor block_table, Tensor query_start_loc,"
         " Tensor indices, float scale, int latent_dim) -> Tensor");
+  m.def("head_products(Tensor x, Tensor tiles, int N) -> Tensor");
   m.def("write_tokens(Tensor(a!) latent_pages, Tensor(b!) raw, Tensor slot_mapping, Tensor latent, Tensor? key_gate)"
         " -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -118,6 +120,7 @@ TORCH_LIBRARY_IMPL(vllm_glm53, CPU, m) {
   m.impl("store_pooled_keys", &glm53::store_pooled_keys);
   m.impl("indexer_select", &glm53::indexer_select);
   m.impl("sparse_latent_attention", &glm53::sparse_latent_attention);
+  m.impl("head_products", &glm53::head_products);
   m.impl("write_tokens", &glm53::write_tokens);
   m.impl("rms_norm", &glm53::rms_norm);
   m.impl("mhc_mix", &glm53::mhc_mix);

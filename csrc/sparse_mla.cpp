@@ -16,6 +16,7 @@
 #include <optional>
 #include <vector>
 
+#include "amx.h"
 #include "common.h"
 
 namespace glm53 {
@@ -273,6 +274,72 @@ void write_tokens(at::Tensor& latent_pages, at::Tensor& raw, const at::Tensor& s
   at::parallel_for(0, static_cast<int64_t>(copies.size()), 256, [&](int64_t i, int64_t end) {
     for (; i < end; ++i) std::memcpy(copies[i].dst, copies[i].src, copies[i].bytes);
   });
+}
+
+// The absorbed MLA's per-head products (sparse_mla.py absorb_q / apply_uv) on AMX tiles: out[t, h] = W[h] x[t, h]
+// for bfloat16 tokens x [T, H, K] (unit stride along K) and each head's weight W[h] [N, K], given as ``tiles``
+// [H, N/16, K/32, 16, 16, 2] (sparse_mla.py head_tiles: per block of 16 outputs and 32 inputs, the tile B
+// that tdpbf16ps takes, input pairs down the rows, outputs across, 1 KiB each, in the order they are read). A tile
+// = 16 tokens x 32 inputs from a copy of the group's tokens; C = 16 tokens x 16 outputs, float32 sums
+// (exact products), rounded to bfloat16 once. The weights stream in order, the next 2 KiB requested into the L2
+// during each product: torch's batched GEMM (oneDNN) on a decode step's 1 MiB of these weights took ~2.2x the time,
+// cold (the read, then its arithmetic, with nothing in flight meanwhile; benchmarks/README.md).
+#if GLM53_HAS_AMX
+namespace {
+// One head and group of n <= 16 tokens: a [16, K] holds their rows, w the head's tiles; writes out's
+// rows t < n (``ld`` values apart), N = NB * 16 values each.
+GLM53_AMX void head_group(const c10::BFloat16* a, int64_t K, const char* w, int64_t NB, int64_t n, c10::BFloat16* out,
+                          int64_t ld) {
+  constexpr int64_t kTileBytes = 1024, kAhead = 2048;
+  alignas(64) float c[kLanes][kLanes];
+  const int64_t KB = K / 32;
+  for (int64_t nb = 0; nb < NB; ++nb) {
+    _tile_zero(0);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const char* b = w + (nb * KB + kb) * kTileBytes;
+      for (int64_t l = 0; l < kTileBytes; l += 64) __builtin_prefetch(b + kAhead + l, 0, 1);
+      _tile_loadd(2, a + kb * 32, K * sizeof(c10::BFloat16));
+      _tile_loadd(4, b, 64);
+      _tile_dpbf16ps(0, 2, 4);
+    }
+    _tile_stored(0, c, kLanes * sizeof(float));
+    for (int64_t t = 0; t < n; ++t) store(out + t * ld + nb * kLanes, load(c[t]));
+  }
+}
+}  // namespace
+#endif
+
+at::Tensor head_products(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
+#if GLM53_HAS_AMX
+  TORCH_CHECK(amx_tiles(), "head_products: needs AMX tiles");
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1,
+              "head_products: x must be bfloat16 [T, H, K] with unit stride along K");
+  const int64_t T = x.size(0), H = x.size(1), K = x.size(2);
+  TORCH_CHECK(tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous() && K % 32 == 0 && N % 16 == 0 &&
+                  tiles.numel() == H * N * K,
+              "head_products: tiles must be head_tiles' bfloat16 [H, N/16, K/32, 16, 16, 2] for K = ", K, ", N = ", N);
+  at::Tensor out = at::empty({T, H, N}, x.options());
+  if (T == 0) return out;
+  const int64_t groups = (T + kLanes - 1) / kLanes, NB = N / kLanes;
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const char* wp = static_cast<const char*>(tiles.data_ptr());
+  auto* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, H * groups, 1, [&](int64_t i, int64_t end) {
+    std::vector<c10::BFloat16> a(kLanes * K);
+    amx_configure();
+    for (; i < end; ++i) {
+      const int64_t h = i / groups, t0 = i % groups * kLanes, n = std::min<int64_t>(kLanes, T - t0);
+      for (int64_t t = 0; t < n; ++t)  // (rows past n, left from before, only reach C rows that are not stored)
+        std::memcpy(&a[t * K], xp + (t0 + t) * x.stride(0) + h * x.stride(1), K * sizeof(c10::BFloat16));
+      head_group(a.data(), K, wp + h * N * K * sizeof(c10::BFloat16), NB, n, op + (t0 * H + h) * N, H * N);
+    }
+    amx_release();
+  });
+  return out;
+#else
+  (void)x, (void)tiles, (void)N;
+  TORCH_CHECK(false, "head_products: needs the avx512 kernels on a CPU with AMX tiles");
+#endif
 }
 
 }  // namespace glm53

@@ -179,8 +179,8 @@ def mla_layer_forward(attn, x: torch.Tensor, indices: torch.Tensor) -> torch.Ten
         q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))).view(T, H, dn)
         latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)[:, : cfg.kv_lora_rank])
         w_uk, w_uv = mla.split_kv_b(attn.kv_b_proj.weight, H, dn, dv)
-        o_lat = mla.sparse_latent_attention(mla.absorb_q(q, w_uk), latent, indices, attn.scaling)
-        return attn.o_proj(mla.apply_uv(o_lat, w_uv).reshape(T, H * dv))
+        o_lat = mla.sparse_latent_attention(mla.absorb_q_torch(q, w_uk), latent, indices, attn.scaling)
+        return attn.o_proj(mla.apply_uv_torch(o_lat, w_uv).reshape(T, H * dv))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -535,6 +535,42 @@ def test_sparse_attention_one_sequence_matches_torch():
         _close(mla.sparse_latent_attention(q, latent, idx, 0.1), want, ulps=12)
 
 
+# The absorbed MLA's per-head products on AMX tiles (csrc/sparse_mla.cpp head_products): one token (decode), one
+# whole group of 16, a partial second group (17) and a third (40); 2 heads of 64 -> 96 and 4 of the kernel-friendly
+# checkpoint's 256 -> 512; the tokens strided as the layer's view of q_b_proj's output is.
+@pytest.mark.parametrize("T", [1, 16, 17, 40])
+@pytest.mark.parametrize("H,dn,L,dv", [(2, 64, 96, 32), (4, 256, 512, 256)])
+def test_mla_head_products_on_amx_tiles(T, H, dn, L, dv):
+    if not kernels.amx_tiles():
+        pytest.skip(f"no AMX tiles in {kernels.description()} (an Intel Xeon from Sapphire Rapids on)")
+    gen = _gen(71 + T + H)
+    q = torch.randn(T, H * dn + 32, generator=gen).bfloat16()[:, : H * dn].view(T, H, dn)
+    o_lat = torch.randn(T, H, L, generator=gen).bfloat16()
+    w_uk = (torch.randn(H, dn, L, generator=gen) / dn**0.5).bfloat16()
+    w_uv = (torch.randn(H, dv, L, generator=gen) / L**0.5).bfloat16()
+    for op, x, w, want in ((mla.absorb_q, q, w_uk, torch.einsum("thk,hkn->thn", q.double(), w_uk.double())),
+                           (mla.apply_uv, o_lat, w_uv, torch.einsum("thk,hnk->thn", o_lat.double(), w_uv.double()))):
+        assert op.impls[0].check(x, w) is None
+        got = op.implementation("compiled")(x, w)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        # float32 sums of exact products, rounded once: within one bfloat16 rounding of the float64 products, and
+        # of the torch form's (bmm) result
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-6)
+        torch.testing.assert_close(got, op.implementation("torch")(x, w), rtol=2**-7, atol=1e-6)
+
+
+def test_mla_head_products_decline_what_the_tiles_cannot_take():
+    """float32, and widths off the tiles' 32 inputs / 16 outputs, stay on torch's bmm, saying why (as does every call
+    where the kernels have no AMX tiles)."""
+    x, w = torch.randn(3, 2, 64), torch.randn(2, 64, 96)
+    reasons = [mla.absorb_q.impls[0].check(x, w), mla.absorb_q.impls[0].check(x.bfloat16(), w[:, :48].bfloat16()),
+               mla.apply_uv.impls[0].check(x.bfloat16(), w.transpose(1, 2)[:, :40].bfloat16())]
+    if not kernels.amx_tiles():
+        assert all("AMX" in r for r in reasons)
+    else:
+        assert "bfloat16" in reasons[0] and "32s" in reasons[1] and "16s" in reasons[2]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # mHC
 # ---------------------------------------------------------------------------------------------------------

@@ -53,7 +53,48 @@ def split_kv_b(
     return w[:, :nope_dim].contiguous(), w[:, nope_dim:].contiguous()
 
 
-def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+absorb_q = Op("absorb_q")
+apply_uv = Op("apply_uv")
+
+
+def head_tiles(w: torch.Tensor) -> torch.Tensor:
+    """Per-head weights ``w [H, K, N]`` (input-major) laid out as the compiled ``head_products`` reads them:
+    ``[H, N/16, K/32, 16, 16, 2]``, per block of 16 outputs and 32 inputs the AMX B tile (input pairs down the
+    rows, outputs across), the blocks in the order the kernel streams them."""
+    H, K, N = w.shape
+    return w.reshape(H, K // 32, 16, 2, N // 16, 16).permute(0, 4, 1, 2, 5, 3).contiguous()
+
+
+def _tiles_of(w: torch.Tensor, input_major) -> torch.Tensor:
+    """``w``'s :func:`head_tiles`, made on first use and kept with the weight (a second copy of these small
+    per-layer weights, as long as the weight lives)."""
+    tiles = getattr(w, "_glm53_head_tiles", None)
+    if tiles is None:
+        tiles = head_tiles(input_major(w))
+        w._glm53_head_tiles = tiles
+    return tiles
+
+
+def _tiles_check(x: torch.Tensor, w: torch.Tensor, k_dim: int, n_dim: int) -> str | None:
+    if not kernels.amx_tiles():
+        return "runs on AMX tiles only (a CPU with AMX-BF16, the avx512 kernels)"
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return f"needs bfloat16 tokens and weights, got {x.dtype} and {w.dtype}"
+    if w.shape[k_dim] % 32 or w.shape[n_dim] % 16 or x.stride(-1) != 1:
+        return f"needs inputs in 32s and outputs in 16s (weight {tuple(w.shape)}) and unit-stride tokens"
+    return _head_tensors(x, w)
+
+
+_head_tensors = compiled_kernels_check(lambda x, w: (x, w))
+
+
+@absorb_q.register("compiled", lambda q_nope, w_uk: _tiles_check(q_nope, w_uk, 1, 2))
+def _absorb_q_compiled(q_nope, w_uk):
+    return kernels.ops().head_products(q_nope, _tiles_of(w_uk, lambda w: w), w_uk.shape[2])
+
+
+@absorb_q.register("torch")
+def absorb_q_torch(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """``q_lat[t, h] = W_UK[h]^T q_nope[t, h]``: ``[T, H, dn] x [H, dn, L] -> [T, H, L]`` in ``q_nope.dtype``,
     computed in the wider of the two dtypes."""
     wide = _wider(q_nope.dtype, w_uk.dtype)
@@ -61,7 +102,13 @@ def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     return out.transpose(0, 1).to(q_nope.dtype)
 
 
-def apply_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+@apply_uv.register("compiled", lambda o_lat, w_uv: _tiles_check(o_lat, w_uv, 2, 1))
+def _apply_uv_compiled(o_lat, w_uv):
+    return kernels.ops().head_products(o_lat, _tiles_of(w_uv, lambda w: w.transpose(1, 2)), w_uv.shape[1])
+
+
+@apply_uv.register("torch")
+def apply_uv_torch(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """``o[t, h] = W_UV[h] o_lat[t, h]``: ``[T, H, L] x [H, dv, L] -> [T, H, dv]`` in ``o_lat.dtype``, computed in
     the wider of the two dtypes."""
     wide = _wider(o_lat.dtype, w_uv.dtype)

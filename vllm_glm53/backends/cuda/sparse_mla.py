@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_glm53.backends.cpu.sparse_mla import absorb_q, apply_uv, split_kv_b
+from vllm_glm53.backends.cpu.sparse_mla import absorb_q_torch as absorb_q, apply_uv_torch as apply_uv, split_kv_b
 from vllm_glm53.backends.dispatch import Op
 from vllm_glm53.backends.pages import write_tokens_torch as write_tokens  # the torch form (indexing kernels)
 from vllm_glm53.backends.plans import LatentCachePlan
