@@ -1,6 +1,7 @@
 // AMX tiles (Intel Xeon from Sapphire Rapids on) for the products with bfloat16 tokens: block-FP8 weights (the tile
-// path of fp8_linear and moe_experts_fp8), bfloat16 experts (moe_experts), and the indexer's pool scores
-// (indexer.cpp's score_pools_tiles: the pooled keys as the rows, the query's heads as the tokens).
+// path of fp8_linear and moe_experts_fp8), bfloat16 experts (moe_experts), the indexer's pool scores
+// (indexer.cpp's score_pools_tiles: the pooled keys as the rows, the query's heads as the tokens), and the MLA's
+// per-head products (sparse_mla.cpp's head_products: the weights prepacked as B tiles, the tokens as the rows).
 //
 // The avx512 build's bfloat16 pairs (gemv.h) multiply a widened row tile with 16 tokens one column pair and one
 // vdpbf16ps at a time: 16 weights x 16 tokens per instruction. On an Intel Xeon with AMX that runs about one

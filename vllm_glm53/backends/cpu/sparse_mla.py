@@ -14,7 +14,9 @@ cache and the step plan (:class:`~vllm_glm53.backends.plans.LatentCachePlan`): t
 rows, in place, so a decode step costs O(index width) however long the context. :data:`write_tokens` stores a
 step's latent rows and raw indexer inputs in the pages: the reference is
 :func:`vllm_glm53.backends.pages.write_tokens_torch` (~20 tensor ops, ~55 us of a decode step on the development
-machine), the compiled form copies the rows in one call.
+machine), the compiled form copies the rows in one call. :data:`absorb_q` and :data:`apply_uv` (per-head
+products with W_UK / W_UV) are torch's batched GEMM, except for bfloat16 on a CPU with AMX tiles, where the
+compiled ``head_products`` streams the weights prepacked as tiles (:func:`head_tiles`).
 """
 
 from __future__ import annotations
