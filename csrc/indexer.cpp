@@ -56,19 +56,13 @@ inline float pool_score(const T* K, const float* q, const float* w, int64_t nI, 
   return s;
 }
 
-// Asks for the cache lines of one key of dI values (into L1: the caller reads it next).
-template <typename T>
+// Asks for the cache lines of one key of dI values: into the L1 (the caller reads it next), or with Locality 1 into
+// the L2 (prefetcht2: the request then holds an entry of the L2's longer miss queue instead of one of the L1's few
+// line fill buffers until memory answers; score_pools_tiles, Intel only).
+template <int Locality = 3, typename T>
 inline void request_key(const T* key, int64_t dI) {
   const char* p = reinterpret_cast<const char*>(key);
-  for (int64_t b = 0; b < dI * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
-}
-
-// The same into the L2 (prefetcht2): the request then holds an entry of the L2's longer miss queue instead of one of
-// the L1's few line fill buffers until memory answers (score_pools_tiles, Intel only).
-template <typename T>
-inline void request_key_into_l2(const T* key, int64_t dI) {
-  const char* p = reinterpret_cast<const char*>(key);
-  for (int64_t b = 0; b < dI * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 1);
+  for (int64_t b = 0; b < dI * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, Locality);
 }
 
 // out[i] = sum_h w[h] * relu(scale * q[h] . keys[i]) for n pools, q [nI, dI] and w [nI] float32, for fewer heads
@@ -293,7 +287,7 @@ GLM53_AMX void score_pools_tiles(const c10::BFloat16* const* keys, int64_t n, co
       const F16 w0 = load(w + b * kLanes), w1 = two ? load(w + (b + 1) * kLanes) : zero();
 #pragma GCC unroll 16
       for (int64_t j = 0; j < kLanes; ++j) {
-        if (b == 0 && j < n_req) request_key_into_l2(ahead[i0 + j], dI);
+        if (b == 0 && j < n_req) request_key<1>(ahead[i0 + j], dI);
         F16 t = relu(load(c[0][j]) * sc) * w0;
         if (two) t = t + relu(load(c[1][j]) * sc) * w1;
         v[j] = b == 0 ? t : v[j] + t;
@@ -301,7 +295,7 @@ GLM53_AMX void score_pools_tiles(const c10::BFloat16* const* keys, int64_t n, co
     }
     store(out + i0, sums_of_16(v), static_cast<int>(m));
   }
-  for (int64_t j = n; j < n_ahead; ++j) request_key_into_l2(ahead[j], dI);
+  for (int64_t j = n; j < n_ahead; ++j) request_key<1>(ahead[j], dI);
 }
 #endif
 
