@@ -207,9 +207,11 @@ def dequantized_twin(src, dst):
     return dst
 
 
-# FP8 weights of the tiny checkpoints (layer 0 dense, layer 1 MoE) as the engine holds them, and their sizes.
+# FP8 weights of the tiny checkpoints (layer 0 dense, layer 1 MoE, layer 3 MLA with the projections
+# _quantize_attention_inputs adds) as the engine holds them, and their sizes.
 FP8_PARAMS = ["model.layers.0.mlp.gate_up_proj.weight", "model.layers.1.mlp.shared_experts.down_proj.weight",
-              "model.layers.1.mlp.experts.w13", "model.layers.1.mlp.experts.w2"]
+              "model.layers.1.mlp.experts.w13", "model.layers.1.mlp.experts.w2",
+              "model.layers.3.self_attn.fused_qkv_a_proj.weight"]
 FP8_PROBES = [f"{p}.{a}" for p in FP8_PARAMS for a in ("dtype", "shape", "nbytes")]
 
 
@@ -227,8 +229,24 @@ def assert_weight_form(values):
 
 
 # Dimensions spanning several 128-blocks with a ragged last block in both directions, and grids that are not
-# square: dense MLP [200, 320] / [320, 200] (scale grids 2x3 / 3x2), experts [72, 320] / [320, 72] (1x3 / 3x1).
-RAGGED = {"hidden_size": 320, "intermediate_size": 200, "moe_intermediate_size": 72}
+# square: dense MLP [200, 320] / [320, 200] (scale grids 2x3 / 3x2), experts [72, 320] / [320, 72] (1x3 / 3x1);
+# MLA q_a [200, 320] and kv_a [128, 320]: the fused q_a | kv_a layer's two FP8 parts, the first ragged.
+RAGGED = {"hidden_size": 320, "intermediate_size": 200, "moe_intermediate_size": 72, "q_lora_rank": 200,
+          "kv_lora_rank": 128}
+
+# Projections of the hidden state that the released checkpoint may store in FP8 too (architecture.md §12.2) and
+# the tiny builder leaves in bfloat16. The serving model fuses each group into one layer: q_a | kv_a stays FP8
+# (whole blocks per part), the indexer's wk is dequantized into its unquantized wk | gate | weights_proj layer (as
+# vLLM serves it), and KDA's f_a | g_a parts (16 rows each here) share a block row and are dequantized at load.
+ATTENTION_INPUTS = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.indexer.wk",
+                    "self_attn.f_a_proj", "self_attn.g_a_proj")
+
+
+def _quantize_attention_inputs(path):
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(tuple(f"{m}.weight" for m in ATTENTION_INPUTS))]:
+        tensors[name], tensors[name[: -len("weight")] + "weight_scale_inv"] = fp8_block.quantize_block_fp8(tensors[name])
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _vary_block_scales(path, seed=0):
@@ -246,10 +264,11 @@ def _vary_block_scales(path, seed=0):
 @pytest.mark.engine
 def test_fp8_weights_of_several_ragged_blocks_match_the_dequantized_reference(tiny_ckpt, tmp_path):
     """Also the flat checkpoint layout (``model.layers.*``, ``Glm5NextForCausalLM``): its loader path and the
-    transformers class that serves it."""
+    transformers class that serves it; and FP8 attention-input projections in each form their fused layers take."""
     path = tmp_path / "fp8-ragged"
     shutil.copytree(tiny_ckpt("fp8-ragged", fp8=True, overrides=RAGGED, seed=3, layout="flat"), path)
     assert json.loads((path / "config.json").read_text())["architectures"] == ["Glm5NextForCausalLM"]
+    _quantize_attention_inputs(path)
     _vary_block_scales(path)
     tensors = load_file(str(path / "model.safetensors"))
     grids = {tuple(t.shape) for n, t in tensors.items() if n.endswith(".weight_scale_inv")}

@@ -18,7 +18,6 @@ from vllm_glm53._vllm import (
     ColumnParallelLinear,
     MambaBase,
     MergedColumnParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -74,12 +73,14 @@ class Glm5NextKDA(nn.Module, MambaBase):
         # Checkpoint q/k/v_conv1d.weight [H*d, 1, K] each; this rank keeps its heads' channels, q|k|v order.
         self.conv_weight = nn.Parameter(torch.empty(3 * self.heads * d, arch.conv_kernel, dtype=torch.float32),
                                         requires_grad=False)
-        self.f_a_proj = ReplicatedLinear(D, d, bias=False, quant_config=qc, prefix=f"{prefix}.f_a_proj")
+        # The low-rank first halves of the forget gate and the output gate read the same hidden state: one GEMM
+        # (rows f_a | g_a), replicated like the two it replaces.
+        self.fg_a_proj = MergedColumnParallelLinear(D, [d, d], bias=False, quant_config=qc, disable_tp=True,
+                                                    prefix=f"{prefix}.fg_a_proj")
         self.f_b_proj = ColumnParallelLinear(d, proj, bias=False, quant_config=qc, prefix=f"{prefix}.f_b_proj")
         self.dt_bias = nn.Parameter(torch.empty(self.heads * d, dtype=torch.float32), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.heads, dtype=torch.float32), requires_grad=False)
         self.b_proj = ColumnParallelLinear(D, H, bias=False, quant_config=qc, prefix=f"{prefix}.b_proj")
-        self.g_a_proj = ReplicatedLinear(D, d, bias=False, quant_config=qc, prefix=f"{prefix}.g_a_proj")
         self.g_b_proj = ColumnParallelLinear(d, proj, bias=False, quant_config=qc, prefix=f"{prefix}.g_b_proj")
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(d), requires_grad=False)
@@ -128,12 +129,12 @@ class Glm5NextKDA(nn.Module, MambaBase):
         T = x.shape[0]
         H, d = self.heads, self.head_dim
         qkv, _ = self.qkv_proj(x)
-        fa, _ = self.f_a_proj(x)
+        fg_a, _ = self.fg_a_proj(x)
+        fa, ga = fg_a.split([d, d], dim=-1)
         a, _ = self.f_b_proj(fa)
         g = kda_ops.kda_gate((a.float() + self.dt_bias).view(T, H, d), self.A_log, self.arch.gate_lower_bound)
         b, _ = self.b_proj(x)
         beta = torch.sigmoid(b.float())
-        ga, _ = self.g_a_proj(x)
         gate, _ = self.g_b_proj(ga)
 
         core = _kda_recurrence(qkv, g, beta, self.prefix)  # [T, H, d] float32

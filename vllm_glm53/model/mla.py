@@ -26,6 +26,7 @@ from vllm_glm53 import _vllm
 from vllm_glm53._vllm import (
     AttentionLayerBase,
     ColumnParallelLinear,
+    MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
     get_tensor_model_parallel_world_size,
@@ -43,34 +44,39 @@ from vllm_glm53.quant.plan import layer_quant
 
 class Glm5NextIndexer(nn.Module):
     """Projections of the lightning indexer. Replicated on every TP rank (it is small and its output, the
-    selection, must be identical everywhere)."""
+    selection, must be identical everywhere).
+
+    The three projections of the hidden state (``wk``, the pool gate ``index_kpool_compress_gate``, and
+    ``weights_proj``) are one GEMM, ``wk_gate_weights_proj`` (as vLLM fuses ``wk`` and ``weights_proj`` for
+    DeepSeek-V3.2): a decode step pays one linear call where it paid three. Unquantized, as vLLM serves them: an
+    FP8 ``wk`` is dequantized while loading (a [128, hidden] matrix)."""
 
     def __init__(self, arch: TextArch, prefix: str) -> None:
         super().__init__()
         nI, dI, D = arch.index_n_heads, arch.index_head_dim, arch.hidden_size
-        qc = layer_quant()
-        self.wq_b = ReplicatedLinear(arch.q_lora_rank, nI * dI, bias=False, quant_config=qc,
+        self.wq_b = ReplicatedLinear(arch.q_lora_rank, nI * dI, bias=False, quant_config=layer_quant(),
                                      prefix=f"{prefix}.wq_b")
-        self.wk = ReplicatedLinear(D, dI, bias=False, quant_config=qc, prefix=f"{prefix}.wk")
+        self.wk_gate_weights_proj = MergedColumnParallelLinear(D, [dI, dI, nI], bias=False, quant_config=None,
+                                                               disable_tp=True,
+                                                               prefix=f"{prefix}.wk_gate_weights_proj")
         self.k_norm = nn.LayerNorm(dI, eps=1e-6)
-        self.weights_proj = ReplicatedLinear(D, nI, bias=False, quant_config=qc, prefix=f"{prefix}.weights_proj")
-        # Checkpoint names have no ".weight" suffix for these two.
-        self.index_kpool_compress_gate = nn.Parameter(torch.empty(dI, D), requires_grad=False)
+        # Checkpoint name has no ".weight" suffix.
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(arch.index_kpool, dI, dtype=torch.float32),
                                                      requires_grad=False)
         self.n_heads, self.head_dim = nI, dI
 
-    def keys(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-token raw indexer inputs ``[key (dI) | gate logits (dI)]`` in the activation dtype."""
-        k, _ = self.wk(x)
-        gate = torch.nn.functional.linear(x, self.index_kpool_compress_gate)
-        return torch.cat([self.k_norm(k), gate], dim=-1)
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token raw indexer inputs ``[key (dI) | gate logits (dI)]`` in the activation dtype, and float32
+        head weights ``[T, nI]`` (already scaled by nI^-1/2)."""
+        dI = self.head_dim
+        out, _ = self.wk_gate_weights_proj(x)
+        k, gate, w = out.split([dI, dI, self.n_heads], dim=-1)
+        return torch.cat([self.k_norm(k), gate], dim=-1), w.float() * self.n_heads**-0.5
 
-    def queries(self, x: torch.Tensor, c_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Query heads ``[T, nI, dI]`` and float32 head weights ``[T, nI]`` (already scaled by nI^-1/2)."""
+    def queries(self, c_q: torch.Tensor) -> torch.Tensor:
+        """Query heads ``[T, nI, dI]``."""
         q, _ = self.wq_b(c_q)
-        w, _ = self.weights_proj(x)
-        return q.view(-1, self.n_heads, self.head_dim), w.float() * self.n_heads**-0.5
+        return q.view(-1, self.n_heads, self.head_dim)
 
 
 class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
@@ -87,13 +93,13 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
         H, D, L = arch.num_heads, arch.hidden_size, arch.kv_lora_rank
         dn, dv = arch.qk_nope_head_dim, arch.v_head_dim
         qc = layer_quant()  # kv_b_proj never takes it: its weight is read directly (split into W_UK / W_UV)
-        self.q_a_proj = ReplicatedLinear(D, arch.q_lora_rank, bias=False, quant_config=qc,
-                                         prefix=f"{prefix}.q_a_proj")
+        # q_a_proj and kv_a_proj_with_mqa read the same hidden state: one GEMM (vLLM fuses them so for DeepSeek);
+        # the checkpoint must store both in one form (quant.plan refuses a half-quantized pair).
+        self.fused_qkv_a_proj = MergedColumnParallelLinear(D, [arch.q_lora_rank, L], bias=False, quant_config=qc,
+                                                           disable_tp=True, prefix=f"{prefix}.fused_qkv_a_proj")
         self.q_a_layernorm = RMSNorm(arch.q_lora_rank, arch.rms_norm_eps)
         self.q_b_proj = ColumnParallelLinear(arch.q_lora_rank, H * dn, bias=False, quant_config=qc,
                                              prefix=f"{prefix}.q_b_proj")
-        self.kv_a_proj_with_mqa = ReplicatedLinear(D, L, bias=False, quant_config=qc,
-                                                   prefix=f"{prefix}.kv_a_proj_with_mqa")
         self.kv_a_layernorm = RMSNorm(L, arch.rms_norm_eps)
         # Rows per head are [k_nope (dn); v (dv)], so a column split at head boundaries keeps whole heads.
         self.kv_b_proj = ColumnParallelLinear(L, H * (dn + dv), bias=False, prefix=f"{prefix}.kv_b_proj")
@@ -162,15 +168,15 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
         T = x.shape[0]
         if self.w_uk is None:
             self.process_weights_after_loading()
-        q_a, _ = self.q_a_proj(x)
+        qkv_a, _ = self.fused_qkv_a_proj(x)
+        q_a, kv_a = qkv_a.split([a.q_lora_rank, a.kv_lora_rank], dim=-1)
         c_q = self.q_a_layernorm(q_a)
         q, _ = self.q_b_proj(c_q)
         q_lat = mla_ops.absorb_q(q.view(T, self.heads, a.qk_nope_head_dim), self.w_uk)
-        kv_a, _ = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv_a)
         if self.indexer is not None:
-            key_gate = self.indexer.keys(x)
-            q_idx, w_idx = self.indexer.queries(x, c_q)
+            key_gate, w_idx = self.indexer.project(x)
+            q_idx = self.indexer.queries(c_q)
         else:
             if shared_selection is None:
                 raise RuntimeError(f"{self.prefix}: shared indexer layer got no selection to reuse")

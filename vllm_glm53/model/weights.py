@@ -2,7 +2,7 @@
 
 The checkpoint layout is the released one (architecture.md §12): nested ``model.language_model.*`` or flat
 ``model.*``, per-expert MoE tensors, q/k/v conv weights split, layer-level ``hc_{attn,ffn}_*``. The serving
-model fuses some of them (q|k|v, gate|up) and shards them over TP ranks through each parameter's
+model fuses some of them (q|k|v, gate|up, the projections that read the same hidden state) and shards them over TP ranks through each parameter's
 ``weight_loader``. Every tensor must land somewhere and every parameter must be filled: anything else is a
 :class:`CheckpointError` naming the tensors, before the engine starts.
 
@@ -34,11 +34,19 @@ _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "self_attn.q_a_proj": ("self_attn.fused_qkv_a_proj", 0),
+    "self_attn.kv_a_proj_with_mqa": ("self_attn.fused_qkv_a_proj", 1),
+    "self_attn.indexer.wk": ("self_attn.indexer.wk_gate_weights_proj", 0),
+    "self_attn.indexer.weights_proj": ("self_attn.indexer.wk_gate_weights_proj", 2),
+    "self_attn.f_a_proj": ("self_attn.fg_a_proj", 0),
+    "self_attn.g_a_proj": ("self_attn.fg_a_proj", 1),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.shared_experts.gate_proj": ("mlp.shared_experts.gate_up_proj", 0),
     "mlp.shared_experts.up_proj": ("mlp.shared_experts.gate_up_proj", 1),
 }
+# Checkpoint tensors outside any linear module that are one shard of a fused one (no ".weight" suffix).
+_FUSED_TENSORS = {"self_attn.indexer.index_kpool_compress_gate": ("self_attn.indexer.wk_gate_weights_proj", 1)}
 # What a (possibly quantized) linear module stores: weight, w8a8 scale/offset, block-FP8 scale.
 _LINEAR_LEAVES = ("weight", "weight_scale", "weight_offset", "weight_scale_inv")
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)$")
@@ -129,7 +137,10 @@ class WeightLoader:
             return
         base = f"model.layers.{layer}."
         module, _, leaf = sub.rpartition(".")
-        if module in _FUSED and leaf in _LINEAR_LEAVES:
+        if sub in _FUSED_TENSORS:
+            target, shard = _FUSED_TENSORS[sub]
+            self._linear(base + target, "weight", tensor, shard)
+        elif module in _FUSED and leaf in _LINEAR_LEAVES:
             target, shard = _FUSED[module]
             self._linear(base + target, leaf, tensor, shard)
         elif mm := _HC.match(sub):
