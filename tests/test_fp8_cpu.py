@@ -141,7 +141,7 @@ def test_plan_takes_the_fp8_modules_from_the_checkpoint_tensors(tiny_ckpt):
     plan = LayerQuant(checkpoint, "native")
     assert plan.scheme_of(_checkpoint_modules("model.layers.0.mlp.gate_up_proj")) == "fp8"
     assert plan.scheme_of(_checkpoint_modules("model.layers.1.mlp.shared_experts.down_proj")) == "fp8"
-    assert plan.scheme_of(_checkpoint_modules("model.layers.0.self_attn.qkv_proj")) is None
+    assert plan.scheme_of(_checkpoint_modules("model.layers.0.self_attn.qkvb_proj")) is None
     assert plan.scheme_of(_checkpoint_modules("model.layers.3.self_attn.q_a_proj")) is None
     assert plan.experts_scheme("model.layers.1.mlp", 8) == "fp8"
     mixed = LayerQuant(checkpoint.__class__("fp8", frozenset({"m.gate_proj"})), "native")

@@ -68,8 +68,9 @@ class Glm5NextKDA(nn.Module, MambaBase):
         proj = H * d
         qc = layer_quant()  # the checkpoint's quantized projections, if any (GLM-5.3 stores KDA in BF16)
 
-        self.qkv_proj = MergedColumnParallelLinear(D, [proj] * 3, bias=False, quant_config=qc,
-                                                   prefix=f"{prefix}.qkv_proj")
+        # q | k | v and the per-head beta logits b, all split by head over TP ranks: one GEMM.
+        self.qkvb_proj = MergedColumnParallelLinear(D, [proj] * 3 + [H], bias=False, quant_config=qc,
+                                                    prefix=f"{prefix}.qkvb_proj")
         # Checkpoint q/k/v_conv1d.weight [H*d, 1, K] each; this rank keeps its heads' channels, q|k|v order.
         self.conv_weight = nn.Parameter(torch.empty(3 * self.heads * d, arch.conv_kernel, dtype=torch.float32),
                                         requires_grad=False)
@@ -80,7 +81,6 @@ class Glm5NextKDA(nn.Module, MambaBase):
         self.f_b_proj = ColumnParallelLinear(d, proj, bias=False, quant_config=qc, prefix=f"{prefix}.f_b_proj")
         self.dt_bias = nn.Parameter(torch.empty(self.heads * d, dtype=torch.float32), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.heads, dtype=torch.float32), requires_grad=False)
-        self.b_proj = ColumnParallelLinear(D, H, bias=False, quant_config=qc, prefix=f"{prefix}.b_proj")
         self.g_b_proj = ColumnParallelLinear(d, proj, bias=False, quant_config=qc, prefix=f"{prefix}.g_b_proj")
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(d), requires_grad=False)
@@ -128,12 +128,12 @@ class Glm5NextKDA(nn.Module, MambaBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         H, d = self.heads, self.head_dim
-        qkv, _ = self.qkv_proj(x)
+        qkvb, _ = self.qkvb_proj(x)
+        qkv, b = qkvb.split([3 * H * d, H], dim=-1)
         fg_a, _ = self.fg_a_proj(x)
         fa, ga = fg_a.split([d, d], dim=-1)
         a, _ = self.f_b_proj(fa)
         g = kda_ops.kda_gate((a.float() + self.dt_bias).view(T, H, d), self.A_log, self.arch.gate_lower_bound)
-        b, _ = self.b_proj(x)
         beta = torch.sigmoid(b.float())
         gate, _ = self.g_b_proj(ga)
 

@@ -2,7 +2,7 @@
 
 The checkpoint layout is the released one (architecture.md §12): nested ``model.language_model.*`` or flat
 ``model.*``, per-expert MoE tensors, q/k/v conv weights split, layer-level ``hc_{attn,ffn}_*``. The serving
-model fuses some of them (q|k|v, gate|up, the projections that read the same hidden state) and shards them over TP ranks through each parameter's
+model fuses some of them (gate|up, the projections that read the same hidden state) and shards them over TP ranks through each parameter's
 ``weight_loader``. Every tensor must land somewhere and every parameter must be filled: anything else is a
 :class:`CheckpointError` naming the tensors, before the engine starts.
 
@@ -31,9 +31,10 @@ class CheckpointError(ValueError):
 
 # Checkpoint module -> (serving module, shard id) for the fused projections.
 _FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "self_attn.q_proj": ("self_attn.qkvb_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkvb_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkvb_proj", 2),
+    "self_attn.b_proj": ("self_attn.qkvb_proj", 3),
     "self_attn.q_a_proj": ("self_attn.fused_qkv_a_proj", 0),
     "self_attn.kv_a_proj_with_mqa": ("self_attn.fused_qkv_a_proj", 1),
     "self_attn.indexer.wk": ("self_attn.indexer.wk_gate_weights_proj", 0),

@@ -39,7 +39,7 @@ from vllm_glm53.quant.fp8 import SCALE_SUFFIX
 logger = logging.getLogger("vllm_glm53")
 
 # Fused serving modules -> the checkpoint modules they are built from (the shard order of weights._FUSED).
-PACKED = {"gate_up_proj": ("gate_proj", "up_proj"), "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+PACKED = {"gate_up_proj": ("gate_proj", "up_proj"), "qkvb_proj": ("q_proj", "k_proj", "v_proj", "b_proj"),
           "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"), "fg_a_proj": ("f_a_proj", "g_a_proj")}
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 _PLANS: dict[tuple, "LayerQuant | None"] = {}  # (checkpoint, revision, backend) -> plan
