@@ -245,7 +245,8 @@ ATTENTION_INPUTS = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_
 def _quantize_attention_inputs(path):
     tensors = load_file(str(path / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(tuple(f"{m}.weight" for m in ATTENTION_INPUTS))]:
-        tensors[name], tensors[name[: -len("weight")] + "weight_scale_inv"] = fp8_block.quantize_block_fp8(tensors[name])
+        scale_name = name[: -len("weight")] + "weight_scale_inv"
+        tensors[name], tensors[scale_name] = fp8_block.quantize_block_fp8(tensors[name])
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -2,9 +2,10 @@
 
 The checkpoint layout is the released one (architecture.md §12): nested ``model.language_model.*`` or flat
 ``model.*``, per-expert MoE tensors, q/k/v conv weights split, layer-level ``hc_{attn,ffn}_*``. The serving
-model fuses some of them (gate|up, the projections that read the same hidden state) and shards them over TP ranks through each parameter's
-``weight_loader``. Every tensor must land somewhere and every parameter must be filled: anything else is a
-:class:`CheckpointError` naming the tensors, before the engine starts.
+model fuses some of them (gate|up, and each group of projections that read the same hidden state) and shards
+them over TP ranks through each parameter's ``weight_loader``. Every tensor must land somewhere and every
+parameter must be filled: anything else is a :class:`CheckpointError` naming the tensors, before the engine
+starts.
 
 Quantized checkpoints (:mod:`vllm_glm53.quant`): a block-FP8 weight is paired with its ``weight_scale_inv``
 as they stream in, and the module it lands in decides what to keep (``quant.fp8.block_fp8_parts``); w8a8
