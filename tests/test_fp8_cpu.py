@@ -212,6 +212,7 @@ def dequantized_twin(src, dst):
 FP8_PARAMS = ["model.layers.0.mlp.gate_up_proj.weight", "model.layers.1.mlp.shared_experts.down_proj.weight",
               "model.layers.1.mlp.experts.w13", "model.layers.1.mlp.experts.w2",
               "model.layers.3.self_attn.fused_qkv_a_proj.weight"]
+FUSED_QKV_A = FP8_PARAMS[-1]
 FP8_PROBES = [f"{p}.{a}" for p in FP8_PARAMS for a in ("dtype", "shape", "nbytes")]
 
 
@@ -278,4 +279,25 @@ def test_fp8_weights_of_several_ragged_blocks_match_the_dequantized_reference(ti
     want = hf_greedy(hf_model(dequantized_twin(path, tmp_path / "twin")), prompts, 12)
     got, values = run_engine(path, prompts, 12, logprobs=1, probe=probe("model_attributes", paths=FP8_PROBES))
     assert_weight_form(values)
+    assert_parity(got, want)
+
+
+@pytest.mark.engine
+def test_fp8_fused_attention_inputs_under_tensor_parallel_2(tiny_ckpt, tmp_path):
+    """The ragged FP8 checkpoint on two TP ranks: the fused layers of the attention inputs stay whole on every rank
+    (``disable_tp``) in each weight form, next to the experts' and MLPs' slices (dequantized at load here: a
+    rank's 100 intermediate rows start inside a block)."""
+    path = tmp_path / "fp8-ragged"
+    shutil.copytree(tiny_ckpt("fp8-ragged", fp8=True, overrides=RAGGED, seed=3, layout="flat"), path)
+    _quantize_attention_inputs(path)
+    _vary_block_scales(path)
+    prompts = prompt_set(path, LENGTHS[::2])
+    want = hf_greedy(hf_model(dequantized_twin(path, tmp_path / "twin")), prompts, 12)
+    got, values = run_engine(path, prompts, 12, logprobs=1, engine={"tensor_parallel_size": 2},
+                             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                             probe=probe("model_attributes", paths=[f"{FUSED_QKV_A}.dtype"]))
+    from vllm_glm53.backends.cpu import kernels
+
+    form = "torch.float8_e4m3fn" if kernels.ops() is not None else "torch.float32"
+    assert [v[f"{FUSED_QKV_A}.dtype"] for v in values] == [form, form], values
     assert_parity(got, want)
