@@ -263,20 +263,26 @@ def _vary_block_scales(path, seed=0):
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def ragged_fp8_case(tiny_ckpt, tmp_path):
+    """The flat-layout FP8 checkpoint of RAGGED sizes with its attention inputs in FP8 too and varied block
+    scales, some prompts, and transformers' greedy tokens on its dequantized twin: ``(path, prompts, want)``."""
+    path = tmp_path / "fp8-ragged"
+    shutil.copytree(tiny_ckpt("fp8-ragged", fp8=True, overrides=RAGGED, seed=3, layout="flat"), path)
+    _quantize_attention_inputs(path)
+    _vary_block_scales(path)
+    prompts = prompt_set(path, LENGTHS[::2])
+    return path, prompts, hf_greedy(hf_model(dequantized_twin(path, tmp_path / "twin")), prompts, 12)
+
+
 @pytest.mark.engine
 def test_fp8_weights_of_several_ragged_blocks_match_the_dequantized_reference(tiny_ckpt, tmp_path):
     """Also the flat checkpoint layout (``model.layers.*``, ``Glm5NextForCausalLM``): its loader path and the
     transformers class that serves it; and FP8 attention-input projections in each form their fused layers take."""
-    path = tmp_path / "fp8-ragged"
-    shutil.copytree(tiny_ckpt("fp8-ragged", fp8=True, overrides=RAGGED, seed=3, layout="flat"), path)
+    path, prompts, want = ragged_fp8_case(tiny_ckpt, tmp_path)
     assert json.loads((path / "config.json").read_text())["architectures"] == ["Glm5NextForCausalLM"]
-    _quantize_attention_inputs(path)
-    _vary_block_scales(path)
     tensors = load_file(str(path / "model.safetensors"))
     grids = {tuple(t.shape) for n, t in tensors.items() if n.endswith(".weight_scale_inv")}
     assert {(2, 3), (3, 2), (1, 3), (3, 1)} <= grids, grids  # several blocks, ragged, both orientations
-    prompts = prompt_set(path, LENGTHS[::2])
-    want = hf_greedy(hf_model(dequantized_twin(path, tmp_path / "twin")), prompts, 12)
     got, values = run_engine(path, prompts, 12, logprobs=1, probe=probe("model_attributes", paths=FP8_PROBES))
     assert_weight_form(values)
     assert_parity(got, want)
@@ -287,12 +293,7 @@ def test_fp8_fused_attention_inputs_under_tensor_parallel_2(tiny_ckpt, tmp_path)
     """The ragged FP8 checkpoint on two TP ranks: the fused layers of the attention inputs stay whole on every rank
     (``disable_tp``) in each weight form, next to the experts' and MLPs' slices (dequantized at load here: a
     rank's 100 intermediate rows start inside a block)."""
-    path = tmp_path / "fp8-ragged"
-    shutil.copytree(tiny_ckpt("fp8-ragged", fp8=True, overrides=RAGGED, seed=3, layout="flat"), path)
-    _quantize_attention_inputs(path)
-    _vary_block_scales(path)
-    prompts = prompt_set(path, LENGTHS[::2])
-    want = hf_greedy(hf_model(dequantized_twin(path, tmp_path / "twin")), prompts, 12)
+    path, prompts, want = ragged_fp8_case(tiny_ckpt, tmp_path)
     got, values = run_engine(path, prompts, 12, logprobs=1, engine={"tensor_parallel_size": 2},
                              env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                              probe=probe("model_attributes", paths=[f"{FUSED_QKV_A}.dtype"]))
