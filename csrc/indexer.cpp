@@ -5,14 +5,16 @@
 // as one stream (indexer_select).
 //
 // Exact ties between pool scores are common (ReLU makes many scores exactly 0) and transformers breaks them
-// with torch.topk over its row layout, so selection here calls the very same at::topk on the same row layout
-// (``ceil(seq_len / kp)`` columns, non-candidates at float32's lowest value). at::topk's choice depends only on
-// the order relations inside a row: scores that differ from the torch backend's by rounding alone select the
-// same pools.
+// with torch.topk over its row layout, so where a tie crosses the cut (the k-th largest score equals one left
+// out) selection here calls the very same at::topk on the same row layout (``ceil(seq_len / kp)`` columns,
+// non-candidates at float32's lowest value); elsewhere the chosen set is the same for any top-k, and one pass
+// finds it (top_set). at::topk's choice depends only on the order relations inside a row: scores that differ from
+// the torch backend's by rounding alone select the same pools.
 
 #include "common.h"
-#include "gemv.h"  // token_pairs_into, amx.h
+#include "amx.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -205,12 +207,46 @@ at::Tensor transposed_queries(const at::Tensor& q, int64_t nIp) {
   return qT;
 }
 
-// w [T, nIp] from w [T, nI] (float32, contiguous), zero-padded.
-at::Tensor padded_weights(const at::Tensor& w, int64_t nIp) {
-  const int64_t T = w.size(0), nI = w.size(1);
-  at::Tensor wp = at::zeros({T, nIp}, w.options());
-  wp.narrow(1, 0, nI).copy_(w);
+// w [T, nIp] float32 from w [T, nI] (any float dtype and strides), zero-padded: a plain loop, as every step of
+// indexer_select before its scoring. Each torch op there (a dtype conversion, a zero fill, a narrowed copy) cost
+// 15-30 us on a call whose caches are cold, as a model step's call is: ~110 us together, nearly what scoring 8
+// sequences of 4,096 tokens takes (benchmarks/README.md).
+std::vector<float> padded_weights(const at::Tensor& w, int64_t nIp) {
+  TORCH_CHECK(w.dim() == 2, "indexer_select: weights must be [T, heads]");
+  const int64_t T = w.size(0), nI = w.size(1), s0 = w.stride(0), s1 = w.stride(1);
+  std::vector<float> wp(T * nIp);
+  float* dst = wp.data();
+  GLM53_DISPATCH_FLOAT_TYPES(w.scalar_type(), "indexer_select weights", [&] {
+    const scalar_t* src = w.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < nIp; ++h) dst[t * nIp + h] = h < nI ? static_cast<float>(src[t * s0 + h * s1]) : 0.0f;
+  });
   return wp;
+}
+
+// The plan's index tensors (int32 or int64, any strides) read where they lie, without torch's dtype conversion
+// (see padded_weights): a 1-D one's values copied (one per request), the block table looked up in place.
+struct IndexView {
+  const void* data;
+  bool wide;  // int64
+  int64_t s0, s1;
+  IndexView(const at::Tensor& t, const char* what)
+      : data(t.data_ptr()), wide(t.scalar_type() == at::kLong), s0(t.stride(0)), s1(t.dim() == 2 ? t.stride(1) : 0) {
+    TORCH_CHECK(t.scalar_type() == at::kInt || wide, "indexer_select: ", what, " must be int32 or int64, got ",
+                t.scalar_type());
+  }
+  int64_t operator()(int64_t i, int64_t j = 0) const {
+    const int64_t at = i * s0 + j * s1;
+    return wide ? static_cast<const int64_t*>(data)[at] : static_cast<const int32_t*>(data)[at];
+  }
+};
+
+std::vector<int64_t> index_values(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 1, "indexer_select: ", what, " must be 1-D");
+  const IndexView view(t, what);
+  std::vector<int64_t> v(t.size(0));
+  for (int64_t i = 0; i < t.size(0); ++i) v[i] = view(i);
+  return v;
 }
 
 #if GLM53_HAS_AMX
@@ -226,17 +262,23 @@ at::Tensor padded_weights(const at::Tensor& w, int64_t nIp) {
 // every line fill buffer, and the loop waited on them: benchmarks/README.md).
 
 // Per token t, block b of 16 heads, channel pair p < dIp / 2: xq[((t * blocks + b) * dIp / 2 + p) * kLanes + lane] =
-// head (16 b + lane)'s channels 2p, 2p + 1 as bfloat16 (exact), zero past the heads and channels.
-at::Tensor query_pairs(const at::Tensor& q, int64_t blocks, int64_t dIp) {
-  const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2);
-  at::Tensor xq = at::zeros({T, blocks * dIp / 2 * kLanes}, q.options().dtype(at::kInt));
-  const float* src = q.data_ptr<float>();
-  auto* dst = reinterpret_cast<uint32_t*>(xq.data_ptr<int32_t>());
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      token_pairs_into([&](int64_t h) { return src + (t * nI + h) * dI; }, nI, dI, dIp / 2,
-                       [](int64_t p) { return p; }, dst + t * blocks * dIp / 2 * kLanes);
-  });
+// head (16 b + lane)'s channels 2p, 2p + 1 from q [T, nI, dI] (bfloat16, channels contiguous), zero past the heads
+// and channels. A plain copy of the pairs (see padded_weights).
+std::vector<uint32_t> query_pairs(const at::Tensor& q, int64_t blocks, int64_t dIp) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.stride(2) == 1, "query_pairs: bfloat16 channels in a row");
+  const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2), pairs = dIp / 2;
+  std::vector<uint32_t> xq(T * blocks * pairs * kLanes), rows(kLanes * (dI / 2));  // zeros; a block's heads
+  const c10::BFloat16* src = q.data_ptr<c10::BFloat16>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t heads = std::min<int64_t>(kLanes, nI - b * kLanes);
+      for (int64_t l = 0; l < heads; ++l)  // head l's channel pairs at rows[l * dI / 2 ...]
+        std::memcpy(rows.data() + l * (dI / 2), src + t * q.stride(0) + (b * kLanes + l) * q.stride(1),
+                    dI / 2 * sizeof(uint32_t));
+      uint32_t* out = xq.data() + (t * blocks + b) * pairs * kLanes;
+      for (int64_t p = 0; p < dI / 2; ++p)
+        for (int64_t l = 0; l < heads; ++l) out[p * kLanes + l] = rows[l * (dI / 2) + p];
+    }
   return xq;
 }
 
@@ -327,15 +369,59 @@ void expand_row(const int64_t* top, int64_t n_top, int64_t pos, int64_t kp, bool
   for (; c < width; ++c) out[c] = -1;
 }
 
-// Top-k over the rows of ``masked`` [n, P] (the torch backend's exact call) and expansion into ``out`` [n, width].
-void select_rows(const at::Tensor& masked, const int64_t* positions, int64_t topk, int64_t kp, bool tail,
+// The k <= P largest of a row's P scores as a set (any order), into top: false, writing nothing, where that set is
+// not the same for every top-k, i.e. where the k-th largest score equals one left out, or where a score is NaN
+// (which at::topk ranks above all) or infinite; the caller then asks at::topk. For a few of many (k * 64 <= P), a
+// min-heap of the best k seen, so that a score not above its least costs one comparison; else a partition around
+// the k-th (nth_element). Then the scores equal to the k-th are counted.
+bool top_set(const float* row, int64_t P, int64_t k, int64_t* top) {
+  if (k == 0) return true;
+  F16 inf_or_nan = zero();  // 0 * each score: NaN where one is NaN or infinite
+  for (int64_t j = 0; j < P; j += kLanes)
+    inf_or_nan = fma(load(row + j, static_cast<int>(std::min<int64_t>(kLanes, P - j))), zero(), inf_or_nan);
+  if (reduce_add(inf_or_nan) != 0.0f) return false;
+  using Entry = std::pair<float, int64_t>;  // score, pool
+  const auto above = [](const Entry& a, const Entry& b) { return a.first > b.first; };
+  std::vector<Entry> best;
+  if (k * 64 <= P) {
+    best.resize(k);
+    for (int64_t j = 0; j < k; ++j) best[j] = {row[j], j};
+    std::make_heap(best.begin(), best.end(), above);  // the least on top
+    for (int64_t j = k; j < P; ++j) {
+      if (!(row[j] > best.front().first)) continue;
+      std::pop_heap(best.begin(), best.end(), above);
+      best.back() = {row[j], j};
+      std::push_heap(best.begin(), best.end(), above);
+    }
+    std::swap(best.front(), best.back());  // the k-th largest last, as below
+  } else {
+    best.resize(P);
+    for (int64_t j = 0; j < P; ++j) best[j] = {row[j], j};
+    std::nth_element(best.begin(), best.begin() + (k - 1), best.end(), above);
+  }
+  const float cut = best[k - 1].first;
+  int64_t equal = 0, kept = 0;
+  for (int64_t j = 0; j < P; ++j) equal += row[j] == cut;
+  for (int64_t i = 0; i < k; ++i) kept += best[i].first == cut;
+  if (equal != kept) return false;
+  for (int64_t i = 0; i < k; ++i) top[i] = best[i].second;
+  return true;
+}
+
+// The top pools of each of n rows of P scores (``masked``, row-major), as the torch backend's at::topk call picks
+// them (top_set, else that very call on the row), expanded into ``out`` [n, width].
+void select_rows(float* masked, int64_t n, int64_t P, const int64_t* positions, int64_t topk, int64_t kp, bool tail,
                  int64_t width, int64_t* out) {
-  const int64_t n = masked.size(0), P = masked.size(1);
-  at::Tensor top = std::get<1>(at::topk(masked, std::min(topk / kp, P), 1, /*largest=*/true, /*sorted=*/true));
-  top = top.contiguous();
-  const int64_t k = top.size(1);
-  const int64_t* tp = top.data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t) expand_row(tp + t * k, k, positions[t], kp, tail, width, out + t * width);
+  const int64_t k = std::min(topk / kp, P);
+  std::vector<int64_t> top(k);
+  for (int64_t t = 0; t < n; ++t) {
+    if (!top_set(masked + t * P, P, k, top.data())) {
+      const at::Tensor row = at::from_blob(masked + t * P, {1, P}, at::kFloat);
+      const at::Tensor idx = std::get<1>(at::topk(row, k, 1, /*largest=*/true, /*sorted=*/true)).contiguous();
+      std::copy_n(idx.data_ptr<int64_t>(), k, top.data());
+    }
+    expand_row(top.data(), k, positions[t], kp, tail, width, out + t * width);
+  }
 }
 
 at::Tensor float_contiguous(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
@@ -410,7 +496,7 @@ at::Tensor select_tokens(const std::optional<at::Tensor>& scores, const at::Tens
   float* mp = masked.data_ptr<float>();
   for (int64_t t = 0; t < Tq; ++t)
     for (int64_t p = (pos[t] + 1) / kp; p < P; ++p) mp[t * P + p] = kLowest;
-  select_rows(masked, pos, topk, kp, tail, width, op);
+  select_rows(mp, Tq, P, pos, topk, kp, tail, width, op);
   return out;
 }
 
@@ -482,20 +568,26 @@ void store_pooled_keys(at::Tensor& pooled, const at::Tensor& raw, const at::Tens
 at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::Tensor& pooled,
                           const at::Tensor& block_table_, const at::Tensor& query_start_loc_,
                           const at::Tensor& seq_lens_, int64_t topk, int64_t kp, bool tail) {
-  at::Tensor q = float_contiguous(q_), w = float_contiguous(w_);
-  at::Tensor bt = block_table_.to(at::kLong).contiguous();
-  at::Tensor qsl = query_start_loc_.to(at::kLong).contiguous(), sl = seq_lens_.to(at::kLong).contiguous();
+  TORCH_CHECK(q_.dim() == 3, "indexer_select: q must be [T, heads, dI]");
   TORCH_CHECK(pooled.dim() == 3 && pooled.stride(2) == 1, "indexer_select: pooled must be [blocks, pools, dI]");
-  const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2);
+  const int64_t T = q_.size(0), nI = q_.size(1), dI = q_.size(2);
   TORCH_CHECK(pooled.size(2) == dI, "indexer_select: pooled keys of ", pooled.size(2), " values for queries of ",
               dI);
-  const int64_t n_req = sl.size(0), pools = pooled.size(1), block_size = pools * kp, n_blocks = pooled.size(0);
-  const int64_t max_blocks = bt.size(1);
+  TORCH_CHECK(block_table_.dim() == 2, "indexer_select: block_table must be [requests, blocks]");
+  const IndexView block_table(block_table_, "block_table");
+  const std::vector<int64_t> qsl = index_values(query_start_loc_, "query_start_loc"),
+                             sl = index_values(seq_lens_, "seq_lens");
+  const int64_t n_req = static_cast<int64_t>(sl.size()), pools = pooled.size(1), block_size = pools * kp,
+                n_blocks = pooled.size(0), max_blocks = block_table_.size(1);
+  TORCH_CHECK(static_cast<int64_t>(qsl.size()) == n_req + 1 && qsl[n_req] <= T,
+              "indexer_select: query_start_loc must hold requests + 1 offsets into the queries");
+  TORCH_CHECK(block_table_.size(0) >= n_req, "indexer_select: block table has fewer rows than requests");
   const int64_t width = index_width(topk, kp, tail);
   const float scale = static_cast<float>(std::pow(static_cast<double>(dI), -0.5));
-  const int64_t *qs = qsl.data_ptr<int64_t>(), *lens = sl.data_ptr<int64_t>(), *btp = bt.data_ptr<int64_t>();
-  at::Tensor out = at::full({T, width}, -1, q.options().dtype(at::kLong));
+  const int64_t *qs = qsl.data(), *lens = sl.data();
+  at::Tensor out = at::empty({T, width}, q_.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
+  std::fill_n(op, T * width, int64_t{-1});
 
   // Score buffers of the sparse requests, [q_len, ceil(seq_len / kp)] each, in one allocation; the work items
   // of phase 1 are (request, chunk of pools).
@@ -521,19 +613,24 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
 #else
   const bool tiles = false;
 #endif
-  at::Tensor qT, xq, wp;
-  if (lanes) wp = padded_weights(w, nIp);
-  if (lanes && !tiles) qT = transposed_queries(q, nIp);
+  // The queries as each scoring form reads them: pairs for the tiles, else float32 (transposed for the lanes).
+  at::Tensor q, w, qT;
+  std::vector<float> wp;
+  std::vector<uint32_t> xq;
+  if (lanes) wp = padded_weights(w_, nIp);
 #if GLM53_HAS_AMX
-  if (tiles) xq = query_pairs(q, nIp / kLanes, dIp);
+  if (tiles) xq = query_pairs(q_, nIp / kLanes, dIp);
 #endif
+  if (!tiles) q = float_contiguous(q_);
+  if (lanes && !tiles) qT = transposed_queries(q, nIp);
+  if (!lanes) w = float_contiguous(w_);
 
   GLM53_DISPATCH_FLOAT_TYPES(pooled.scalar_type(), "indexer_select", [&] {
     const scalar_t* base = pooled.data_ptr<scalar_t>();
     const int64_t block_stride = pooled.stride(0), pool_stride = pooled.stride(1);
     // Pool p's compressed key: slot p % pools of the pooled keys of the request's block p / pools.
     auto pooled_key = [&](int64_t r, int64_t p) {
-      const int64_t blk = btp[r * max_blocks + p / pools];
+      const int64_t blk = block_table(r, p / pools);
       TORCH_CHECK(blk >= 0 && blk < n_blocks, "indexer_select: block id ", blk, " outside the cache");
       return base + blk * block_stride + (p % pools) * pool_stride;
     };
@@ -573,13 +670,12 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
 #if GLM53_HAS_AMX
             using B16 = const c10::BFloat16* const*;  // tiles: the keys are bfloat16 (scalar_t is, at run time)
             score_pools_tiles(reinterpret_cast<B16>(keys), n_score, reinterpret_cast<B16>(next), n_ahead,
-                              reinterpret_cast<const uint32_t*>(xq.data_ptr<int32_t>()) + (q0 + t) * nIp / 2 * dIp,
-                              wp.data_ptr<float>() + (q0 + t) * nIp, nIp / kLanes, dI, dIp, scale, stage.data(),
-                              sc + t * cols + p0);
+                              xq.data() + (q0 + t) * nIp / 2 * dIp, wp.data() + (q0 + t) * nIp, nIp / kLanes,
+                              dI, dIp, scale, stage.data(), sc + t * cols + p0);
 #endif
           } else if (lanes) {
             const float* qt = qT.data_ptr<float>() + (q0 + t) * dI * nIp;
-            const float* wt = wp.data_ptr<float>() + (q0 + t) * nIp;
+            const float* wt = wp.data() + (q0 + t) * nIp;
             score_pools_heads(keys, n_score, next, n_ahead, qt, wt, nIp, dI, scale, kbuf.data(), sc + t * cols + p0);
           } else {
             const float* qt = q.data_ptr<float>() + (q0 + t) * nI * dI;
@@ -610,8 +706,7 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
         continue;
       }
       const int64_t cols = (S + kp - 1) / kp;
-      at::Tensor masked = at::from_blob(scores.data() + buf_off[r], {q_len, cols}, at::kFloat);
-      select_rows(masked, pos.data(), topk, kp, tail, width, op + q0 * width);
+      select_rows(scores.data() + buf_off[r], q_len, cols, pos.data(), topk, kp, tail, width, op + q0 * width);
     }
   });
   return out;

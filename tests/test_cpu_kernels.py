@@ -320,6 +320,38 @@ def test_select_tokens_identical_with_ties(topk, kp, tail):
     assert torch.equal(ops.select_tokens(None, early, topk, kp, tail), ix.select_tokens_torch(None, early, topk, kp, tail))
 
 
+@pytest.mark.parametrize("P", [40, 300])  # the top 4 of P pools: a partition, a heap (k * 64 <= P)
+def test_select_tokens_ties_at_and_above_the_cut(P):
+    """The kernel finds a row's top pools in one pass where the set is the same for every top-k and asks at::topk
+    where a tie crosses the cut (the k-th largest score equals one left out) or a score is NaN: each kind of row,
+    the whole batch against torch.topk's choice."""
+    gen = _gen(24)
+    topk, kp = 16, 4
+    k = topk // kp
+    rows = [torch.randn(P, generator=gen) for _ in range(3)]  # distinct scores
+    above = torch.rand(P, generator=gen)  # ties above the cut only: 9, 9, 9 and a lone 5 are the top 4
+    above[[3, 17, 30]], above[8] = 9.0, 5.0
+    rows.append(above)
+    for _ in range(12):  # ties across the cut: the 4th largest has equals left out
+        row = torch.randint(0, 4, (P,), generator=gen).float()
+        row[torch.randperm(P, generator=gen)[:2]] = 7.0
+        rows.append(row)
+    signed_zero = torch.full((P,), -1.0)  # 0.0 and -0.0 are equal: a tie across the cut
+    signed_zero[[2, 5]], signed_zero[[9, 20, 33]] = 1.0, torch.tensor([0.0, -0.0, 0.0])
+    rows.append(signed_zero)
+    nan = torch.randn(P, generator=gen)  # at::topk ranks NaN first
+    nan[11] = float("nan")
+    rows.append(nan)
+    rows.append(torch.zeros(P))  # all equal
+    scores = torch.stack(rows)
+    for row in rows[:4]:  # the one-pass rows: the 4th largest stands alone
+        assert (row == row.topk(k).values[-1]).sum() == 1
+    positions = torch.full((len(rows),), P * kp - 1)  # every pool complete
+    want = ix.select_tokens_torch(scores, positions, topk, kp, True)
+    assert torch.equal(ops.select_tokens(scores, positions, topk, kp, True), want)
+    assert (want[-2] == 11 * kp).any()  # NaN's pool is chosen
+
+
 def _paged(seq_lens, row, block_size, dtype, seed, fill):
     """A paged cache holding each request's rows ``fill(r, S)`` [S, row] in shuffled blocks, plus its block table."""
     gen = _gen(seed)
@@ -486,6 +518,11 @@ def test_select_batch_identical_to_torch(integer_valued, dtype, nI, dI, bs, bf16
     assert torch.equal(got, want)
     # and sparse selection really happened on the long requests
     assert (got[starts[5]] >= 0).sum() < SEQ_LENS[5]
+    # the kernel reads the plan's index tensors where they lie: int64 and int32 alike, the block table strided
+    strided = torch.stack([plan.block_table.long(), torch.full_like(plan.block_table.long(), -7)], 2)[:, :, 0]
+    other = dataclasses.replace(plan, block_table=strided, cu_seqlens=plan.cu_seqlens.int(),
+                                seq_lens=plan.seq_lens.int())
+    assert torch.equal(ix.select_batch.implementation("compiled")(q, w, pages.pooled, other, topk, kp), want)
 
 
 # ---------------------------------------------------------------------------------------------------------
