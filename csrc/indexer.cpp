@@ -619,7 +619,7 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
   std::vector<uint32_t> xq;
   if (lanes) wp = padded_weights(w_, nIp);
 #if GLM53_HAS_AMX
-  if (tiles) xq = query_pairs(q_, nIp / kLanes, dIp);
+  if (tiles) xq = query_pairs(q_.stride(2) == 1 ? q_ : q_.contiguous(), nIp / kLanes, dIp);
 #endif
   if (!tiles) q = float_contiguous(q_);
   if (lanes && !tiles) qT = transposed_queries(q, nIp);

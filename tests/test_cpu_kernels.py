@@ -518,11 +518,13 @@ def test_select_batch_identical_to_torch(integer_valued, dtype, nI, dI, bs, bf16
     assert torch.equal(got, want)
     # and sparse selection really happened on the long requests
     assert (got[starts[5]] >= 0).sum() < SEQ_LENS[5]
-    # the kernel reads the plan's index tensors where they lie: int64 and int32 alike, the block table strided
+    # the kernel reads the plan's index tensors where they lie: int64 and int32 alike, the block table strided; and
+    # queries whose channels are not adjacent
     strided = torch.stack([plan.block_table.long(), torch.full_like(plan.block_table.long(), -7)], 2)[:, :, 0]
     other = dataclasses.replace(plan, block_table=strided, cu_seqlens=plan.cu_seqlens.int(),
                                 seq_lens=plan.seq_lens.int())
-    assert torch.equal(ix.select_batch.implementation("compiled")(q, w, pages.pooled, other, topk, kp), want)
+    q_strided = torch.stack([q, torch.zeros_like(q)], 3)[..., 0]
+    assert torch.equal(ix.select_batch.implementation("compiled")(q_strided, w, pages.pooled, other, topk, kp), want)
 
 
 # ---------------------------------------------------------------------------------------------------------
