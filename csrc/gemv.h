@@ -282,20 +282,28 @@ struct UnpackOrder {
 // laid across the lanes in pairs of columns, both in unpack order too.
 
 // Token rows as pairs of bfloat16 columns across the lanes, P pairs a token group: token (g * kLanes + lane)'s
-// columns 2p (low half) and 2p + 1 at xp[(g * P + pair_at(p)) * kLanes + lane], p < K / 2, rounded to nearest even
-// (exact for bfloat16 tokens). Each row is rounded in vectors first (a scalar rounding per value was a tenth of an
-// AMX call's time). Writes nothing else: the callers zero what stays empty.
+// columns 2p (low half) and 2p + 1 at xp[(g * P + pair_at(p)) * kLanes + lane], p < K / 2. row(j): token j's K
+// values, float32 rows rounded to nearest even (exact for bfloat16 tokens), in vectors first (a scalar rounding per
+// value was a tenth of an AMX call's time), bfloat16 rows taken as they are. Writes nothing else: the callers zero
+// what stays empty.
 template <typename RowOf, typename PairAt>
 void token_pairs_into(const RowOf& row, int64_t M, int64_t K, int64_t P, const PairAt& pair_at, uint32_t* xp) {
-  std::vector<c10::BFloat16> b(K);
+  constexpr bool kRounded = std::is_same_v<decltype(row(0)), const float*>;
+  std::vector<c10::BFloat16> b(kRounded ? K : 0);
   for (int64_t j = 0; j < M; ++j) {
-    const float* src = row(j);
-    for (int64_t k = 0; k < K; k += kLanes) {
-      const int m = static_cast<int>(std::min<int64_t>(kLanes, K - k));
-      store(b.data() + k, load(src + k, m), m);
+    const c10::BFloat16* values;
+    if constexpr (kRounded) {
+      const float* src = row(j);
+      for (int64_t k = 0; k < K; k += kLanes) {
+        const int m = static_cast<int>(std::min<int64_t>(kLanes, K - k));
+        store(b.data() + k, load(src + k, m), m);
+      }
+      values = b.data();
+    } else {
+      values = row(j);
     }
     uint32_t* dst = xp + (j / kLanes) * P * kLanes + j % kLanes;
-    for (int64_t p = 0; p < K / 2; ++p) std::memcpy(dst + pair_at(p) * kLanes, b.data() + 2 * p, 4);
+    for (int64_t p = 0; p < K / 2; ++p) std::memcpy(dst + pair_at(p) * kLanes, values + 2 * p, 4);
   }
 }
 

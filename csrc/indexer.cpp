@@ -12,7 +12,7 @@
 // the torch backend's by rounding alone select the same pools.
 
 #include "common.h"
-#include "amx.h"
+#include "gemv.h"  // token_pairs_into, amx.h
 
 #include <algorithm>
 #include <cstring>
@@ -263,22 +263,15 @@ std::vector<int64_t> index_values(const at::Tensor& t, const char* what) {
 
 // Per token t, block b of 16 heads, channel pair p < dIp / 2: xq[((t * blocks + b) * dIp / 2 + p) * kLanes + lane] =
 // head (16 b + lane)'s channels 2p, 2p + 1 from q [T, nI, dI] (bfloat16, channels contiguous), zero past the heads
-// and channels. A plain copy of the pairs (see padded_weights).
+// and channels: token_pairs_into's layout, the bfloat16 rows taken as they are (see padded_weights).
 std::vector<uint32_t> query_pairs(const at::Tensor& q, int64_t blocks, int64_t dIp) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.stride(2) == 1, "query_pairs: bfloat16 channels in a row");
-  const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2), pairs = dIp / 2;
-  std::vector<uint32_t> xq(T * blocks * pairs * kLanes), rows(kLanes * (dI / 2));  // zeros; a block's heads
+  const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2), per_token = blocks * dIp / 2 * kLanes;
+  std::vector<uint32_t> xq(T * per_token);  // zeros
   const c10::BFloat16* src = q.data_ptr<c10::BFloat16>();
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t heads = std::min<int64_t>(kLanes, nI - b * kLanes);
-      for (int64_t l = 0; l < heads; ++l)  // head l's channel pairs at rows[l * dI / 2 ...]
-        std::memcpy(rows.data() + l * (dI / 2), src + t * q.stride(0) + (b * kLanes + l) * q.stride(1),
-                    dI / 2 * sizeof(uint32_t));
-      uint32_t* out = xq.data() + (t * blocks + b) * pairs * kLanes;
-      for (int64_t p = 0; p < dI / 2; ++p)
-        for (int64_t l = 0; l < heads; ++l) out[p * kLanes + l] = rows[l * (dI / 2) + p];
-    }
+    token_pairs_into([&](int64_t h) { return src + t * q.stride(0) + h * q.stride(1); }, nI, dI, dIp / 2,
+                     [](int64_t p) { return p; }, xq.data() + t * per_token);
   return xq;
 }
 
