@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 #include "vec.h"
 
 // at::parallel_for's grain for loops over tokens (rows) of ``values_per_token`` values each: splitting fewer than
@@ -33,6 +35,36 @@ inline float sum_squares(const T* x, int64_t n) {
 
 // 1 / (1 + exp(-x)) lane by lane, torch's sigmoid with vec.h's exp.
 inline F16 sigmoid(F16 x) { return set1(1.0f) / (set1(1.0f) + exp(zero() - x)); }
+
+// An int32 or int64 index tensor of at most two dimensions (a plan's block table, query starts and lengths,
+// selected positions; any strides) read where it lies. torch's conversion to int64 (``.to(at::kLong)``) is a
+// dispatched op and a fresh allocation per call: on a cold decode step each such op cost the indexer ~20-30 us
+// (benchmarks/README.md). ``op`` and ``what`` name the op and the argument in the error.
+struct IndexView {
+  const void* data;
+  bool wide;  // int64
+  int64_t s0, s1;
+  IndexView(const at::Tensor& t, const char* op, const char* what)
+      : data(t.data_ptr()), wide(t.scalar_type() == at::kLong), s0(t.dim() >= 1 ? t.stride(0) : 0),
+        s1(t.dim() == 2 ? t.stride(1) : 0) {
+    TORCH_CHECK(t.scalar_type() == at::kInt || wide, op, ": ", what, " must be int32 or int64, got ",
+                t.scalar_type());
+    TORCH_CHECK(t.dim() >= 1 && t.dim() <= 2, op, ": ", what, " must have 1 or 2 dimensions, got ", t.dim());
+  }
+  int64_t operator()(int64_t i, int64_t j = 0) const {
+    const int64_t at = i * s0 + j * s1;
+    return wide ? static_cast<const int64_t*>(data)[at] : static_cast<const int32_t*>(data)[at];
+  }
+};
+
+// A 1-D index tensor's values (one per request or token: small).
+inline std::vector<int64_t> index_values(const at::Tensor& t, const char* op, const char* what) {
+  TORCH_CHECK(t.dim() == 1, op, ": ", what, " must be 1-D");
+  const IndexView view(t, op, what);
+  std::vector<int64_t> v(t.size(0));
+  for (int64_t i = 0; i < t.size(0); ++i) v[i] = view(i);
+  return v;
+}
 }  // namespace glm53
 
 // Runs the lambda with ``scalar_t`` bound to the C++ type of a float32 / bfloat16 / float16 tensor (the dtypes

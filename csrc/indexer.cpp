@@ -224,31 +224,6 @@ std::vector<float> padded_weights(const at::Tensor& w, int64_t nIp) {
   return wp;
 }
 
-// The plan's index tensors (int32 or int64, any strides) read where they lie, without torch's dtype conversion
-// (see padded_weights): a 1-D one's values copied (one per request), the block table looked up in place.
-struct IndexView {
-  const void* data;
-  bool wide;  // int64
-  int64_t s0, s1;
-  IndexView(const at::Tensor& t, const char* what)
-      : data(t.data_ptr()), wide(t.scalar_type() == at::kLong), s0(t.stride(0)), s1(t.dim() == 2 ? t.stride(1) : 0) {
-    TORCH_CHECK(t.scalar_type() == at::kInt || wide, "indexer_select: ", what, " must be int32 or int64, got ",
-                t.scalar_type());
-  }
-  int64_t operator()(int64_t i, int64_t j = 0) const {
-    const int64_t at = i * s0 + j * s1;
-    return wide ? static_cast<const int64_t*>(data)[at] : static_cast<const int32_t*>(data)[at];
-  }
-};
-
-std::vector<int64_t> index_values(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dim() == 1, "indexer_select: ", what, " must be 1-D");
-  const IndexView view(t, what);
-  std::vector<int64_t> v(t.size(0));
-  for (int64_t i = 0; i < t.size(0); ++i) v[i] = view(i);
-  return v;
-}
-
 #if GLM53_HAS_AMX
 // With AMX tiles and bfloat16 queries and keys (a bfloat16 model's: float32 queries would first have to be rounded)
 // the products of score_pools_heads run on the tiles (amx.h): A = 16 pools' keys (32 channels a product, read from
@@ -567,9 +542,9 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
   TORCH_CHECK(pooled.size(2) == dI, "indexer_select: pooled keys of ", pooled.size(2), " values for queries of ",
               dI);
   TORCH_CHECK(block_table_.dim() == 2, "indexer_select: block_table must be [requests, blocks]");
-  const IndexView block_table(block_table_, "block_table");
-  const std::vector<int64_t> qsl = index_values(query_start_loc_, "query_start_loc"),
-                             sl = index_values(seq_lens_, "seq_lens");
+  const IndexView block_table(block_table_, "indexer_select", "block_table");
+  const std::vector<int64_t> qsl = index_values(query_start_loc_, "indexer_select", "query_start_loc"),
+                             sl = index_values(seq_lens_, "indexer_select", "seq_lens");
   const int64_t n_req = static_cast<int64_t>(sl.size()), pools = pooled.size(1), block_size = pools * kp,
                 n_blocks = pooled.size(0), max_blocks = block_table_.size(1);
   TORCH_CHECK(static_cast<int64_t>(qsl.size()) == n_req + 1 && qsl[n_req] <= T,

@@ -141,33 +141,62 @@ void attend(const float* q, int64_t nh, int64_t L, const T* const* rows, int64_t
   }
 }
 
+// Heads [h0, h0 + nh) of token t of x [T, H, L] (any float dtype, L contiguous) as float32 rows into dst [nh, L],
+// and back: src [nh, L] into those heads of out (contiguous), each value rounded once to out's dtype.
+void heads_to_float(const at::Tensor& x, int64_t t, int64_t h0, int64_t nh, float* dst) {
+  const int64_t L = x.size(2);
+  GLM53_DISPATCH_FLOAT_TYPES(x.scalar_type(), "sparse_latent_attention", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>() + t * x.stride(0) + h0 * x.stride(1);
+    for (int64_t h = 0; h < nh; ++h) to_float(src + h * x.stride(1), dst + h * L, L);
+  });
+}
+
+void heads_from_float(const float* src, int64_t t, int64_t h0, int64_t nh, at::Tensor& out) {
+  const int64_t H = out.size(1), L = out.size(2);
+  GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "sparse_latent_attention", [&] {
+    scalar_t* dst = out.data_ptr<scalar_t>() + (t * H + h0) * L;
+    for (int64_t i = 0; i < nh * L; i += kLanes) {
+      const int m = static_cast<int>(std::min<int64_t>(kLanes, nh * L - i));
+      store(dst + i, load(src + i, m), m);
+    }
+  });
+}
+
 }  // namespace
 
 // q_lat [T, H, L] (any float dtype); rows [num_blocks, block_size, R] the paged cache (float32 / bfloat16 /
 // float16, rows contiguous) whose first ``latent_dim`` values are the latent; block_table [num_reqs,
-// max_blocks]; query_start_loc [num_reqs + 1]; indices [T, N] positions within the query's request, -1 unused.
-// Returns o_lat [T, H, L] in q_lat's dtype (softmax and accumulation in float32).
+// max_blocks]; query_start_loc [num_reqs + 1]; indices [T, N] positions within the query's request, -1 unused
+// (the index tensors int32 or int64, any strides). Returns o_lat [T, H, L] in q_lat's dtype (softmax and
+// accumulation in float32, each output value rounded once). No torch op runs before the attention: each task
+// widens its own query heads and narrows its own outputs, and the index tensors are read where they lie (a
+// decode step's conversions of the queries, the output and the plan's int32 tensors cost more than the attention
+// of one short request, cold).
 at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& rows, const at::Tensor& block_table_,
                                    const at::Tensor& query_start_loc_, const at::Tensor& indices_, double scale_,
                                    int64_t latent_dim) {
-  TORCH_CHECK(rows.dim() == 3 && rows.stride(2) == 1, "sparse_latent_attention: rows must be [blocks, size, R]");
+  const char* what = "sparse_latent_attention";
+  TORCH_CHECK(rows.dim() == 3 && rows.stride(2) == 1, what, ": rows must be [blocks, size, R]");
+  TORCH_CHECK(q_lat.dim() == 3, what, ": q_lat must be [T, H, L]");
   const int64_t T = q_lat.size(0), H = q_lat.size(1), L = q_lat.size(2);
-  TORCH_CHECK(L == latent_dim && latent_dim <= rows.size(2), "sparse_latent_attention: latent width mismatch");
-  TORCH_CHECK(rows.size(1) > 0, "sparse_latent_attention: empty cache pages");
-  TORCH_CHECK(indices_.dim() == 2 && indices_.size(0) == T, "sparse_latent_attention: indices must be [T, N]");
-  at::Tensor q = q_lat.to(at::kFloat).contiguous();
-  at::Tensor idx = indices_.to(at::kLong).contiguous();
-  at::Tensor bt = block_table_.to(at::kLong).contiguous();
-  at::Tensor qsl = query_start_loc_.to(at::kLong).contiguous();
-  const int64_t N = idx.size(1), n_req = qsl.size(0) - 1, block_size = rows.size(1), n_blocks = rows.size(0);
-  const int64_t max_blocks = bt.size(1);
+  TORCH_CHECK(L == latent_dim && latent_dim <= rows.size(2), what, ": latent width mismatch");
+  TORCH_CHECK(rows.size(1) > 0, what, ": empty cache pages");
+  TORCH_CHECK(indices_.dim() == 2 && indices_.size(0) == T, what, ": indices must be [T, N]");
+  TORCH_CHECK(block_table_.dim() == 2, what, ": block_table must be [num_reqs, max_blocks]");
+  const at::Tensor q = q_lat.stride(2) == 1 ? q_lat : q_lat.contiguous();
+  const IndexView idx(indices_, what, "indices"), bt(block_table_, what, "block_table");
+  const std::vector<int64_t> qs = index_values(query_start_loc_, what, "query_start_loc");
+  const int64_t N = indices_.size(1), n_req = static_cast<int64_t>(qs.size()) - 1, block_size = rows.size(1),
+                n_blocks = rows.size(0), max_blocks = block_table_.size(1);
   const float scale = static_cast<float>(scale_);
-  at::Tensor out = at::empty({T, H, L}, q.options());
-  if (T == 0) return out.to(q_lat.scalar_type());
+  at::Tensor out = at::empty({T, H, L}, q_lat.options());
+  if (T == 0) return out;
 
   // Request of each query.
-  const int64_t* qs = qsl.data_ptr<int64_t>();
-  TORCH_CHECK(qs[n_req] == T, "sparse_latent_attention: query_start_loc ends at ", qs[n_req], ", not ", T);
+  TORCH_CHECK(n_req >= 0 && qs[n_req] == T, what, ": query_start_loc ends at ", n_req >= 0 ? qs[n_req] : -1,
+              ", not ", T);
+  TORCH_CHECK(n_req <= block_table_.size(0), what, ": ", n_req, " requests but ", block_table_.size(0),
+              " block-table rows");
   std::vector<int64_t> req(T);
   for (int64_t r = 0; r < n_req; ++r)
     for (int64_t t = qs[r]; t < qs[r + 1]; ++t) req[t] = r;
@@ -177,33 +206,32 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
   const int64_t split = T >= threads ? 1 : std::min<int64_t>(H, (threads + T - 1) / T);
   const int64_t per_task = (H + split - 1) / split, n_groups = (H + per_task - 1) / per_task;
 
-  GLM53_DISPATCH_FLOAT_TYPES(rows.scalar_type(), "sparse_latent_attention", [&] {
+  GLM53_DISPATCH_FLOAT_TYPES(rows.scalar_type(), what, [&] {
     const scalar_t* base = rows.data_ptr<scalar_t>();
-    const int64_t* ip = idx.data_ptr<int64_t>();
-    const int64_t* btp = bt.data_ptr<int64_t>();
     at::parallel_for(0, T * n_groups, 1, [&](int64_t begin, int64_t end) {
       std::vector<const scalar_t*> sel(N);
-      std::vector<float> row_buf(kBlock * L), acc(per_task * L), run(2 * per_task);
+      std::vector<float> row_buf(kBlock * L), acc(per_task * L), run(2 * per_task), qf(per_task * L),
+          of(per_task * L);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t = task / n_groups, h0 = (task % n_groups) * per_task, nh = std::min(per_task, H - h0);
         const int64_t r = req[t];
         int64_t n_sel = 0;
         for (int64_t i = 0; i < N; ++i) {
-          const int64_t pos = ip[t * N + i];
+          const int64_t pos = idx(t, i);
           if (pos < 0) continue;
-          TORCH_CHECK(pos / block_size < max_blocks, "sparse_latent_attention: position ", pos,
-                      " beyond the block table");
-          const int64_t blk = btp[r * max_blocks + pos / block_size];
-          TORCH_CHECK(blk >= 0 && blk < n_blocks, "sparse_latent_attention: block id ", blk, " outside the cache");
+          TORCH_CHECK(pos / block_size < max_blocks, what, ": position ", pos, " beyond the block table");
+          const int64_t blk = bt(r, pos / block_size);
+          TORCH_CHECK(blk >= 0 && blk < n_blocks, what, ": block id ", blk, " outside the cache");
           sel[n_sel++] = base + blk * rows.stride(0) + (pos % block_size) * rows.stride(1);
         }
-        attend(q.data_ptr<float>() + (t * H + h0) * L, nh, L, sel.data(), n_sel, scale,
-               out.data_ptr<float>() + (t * H + h0) * L, row_buf.data(), acc.data(), run.data(),
+        heads_to_float(q, t, h0, nh, qf.data());
+        attend(qf.data(), nh, L, sel.data(), n_sel, scale, of.data(), row_buf.data(), acc.data(), run.data(),
                run.data() + per_task);
+        heads_from_float(of.data(), t, h0, nh, out);
       }
     });
   });
-  return out.to(q_lat.scalar_type());
+  return out;
 }
 
 // The step's cache writes (the contract of vllm_glm53/backends/pages.py's write_tokens_torch, the reference): token t's
