@@ -164,20 +164,23 @@ void heads_from_float(const float* src, int64_t t, int64_t h0, int64_t nh, at::T
 
 }  // namespace
 
-// q_lat [T, H, L] (any float dtype); rows [num_blocks, block_size, R] the paged cache (float32 / bfloat16 /
+// q_lat [T, H, L] (float32 / bfloat16 / float16); rows [num_blocks, block_size, R] the paged cache (float32 / bfloat16 /
 // float16, rows contiguous) whose first ``latent_dim`` values are the latent; block_table [num_reqs,
 // max_blocks]; query_start_loc [num_reqs + 1]; indices [T, N] positions within the query's request, -1 unused
 // (the index tensors int32 or int64, any strides). Returns o_lat [T, H, L] in q_lat's dtype (softmax and
 // accumulation in float32, each output value rounded once). No torch op runs before the attention: each task
-// widens its own query heads and narrows its own outputs, and the index tensors are read where they lie (a
-// decode step's conversions of the queries, the output and the plan's int32 tensors cost more than the attention
-// of one short request, cold).
+// widens its own query heads and narrows its own outputs, and the index tensors are read where they lie (the
+// conversions of the queries, the output and the plan's int32 tensors were 10-17 % of a cold decode call at the
+// kernel-friendly size: benchmarks/README.md).
 at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& rows, const at::Tensor& block_table_,
                                    const at::Tensor& query_start_loc_, const at::Tensor& indices_, double scale_,
                                    int64_t latent_dim) {
   const char* what = "sparse_latent_attention";
   TORCH_CHECK(rows.dim() == 3 && rows.stride(2) == 1, what, ": rows must be [blocks, size, R]");
   TORCH_CHECK(q_lat.dim() == 3, what, ": q_lat must be [T, H, L]");
+  TORCH_CHECK(q_lat.scalar_type() == at::kFloat || q_lat.scalar_type() == at::kBFloat16 ||
+                  q_lat.scalar_type() == at::kHalf,
+              what, ": q_lat must be float32, bfloat16 or float16, got ", q_lat.scalar_type());
   const int64_t T = q_lat.size(0), H = q_lat.size(1), L = q_lat.size(2);
   TORCH_CHECK(L == latent_dim && latent_dim <= rows.size(2), what, ": latent width mismatch");
   TORCH_CHECK(rows.size(1) > 0, what, ": empty cache pages");
@@ -198,8 +201,11 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
   TORCH_CHECK(n_req <= block_table_.size(0), what, ": ", n_req, " requests but ", block_table_.size(0),
               " block-table rows");
   std::vector<int64_t> req(T);
-  for (int64_t r = 0; r < n_req; ++r)
+  for (int64_t r = 0; r < n_req; ++r) {
+    TORCH_CHECK(qs[r] >= 0 && qs[r] <= qs[r + 1], what, ": query_start_loc must ascend from 0, got ", qs[r],
+                " then ", qs[r + 1]);
     for (int64_t t = qs[r]; t < qs[r + 1]; ++t) req[t] = r;
+  }
 
   // Enough tasks for every thread: split heads only when there are fewer queries than threads.
   const int64_t threads = at::get_num_threads();

@@ -566,9 +566,15 @@ def test_sparse_attention_paged_matches_torch(dtype, H, L):
     q_strided = torch.stack([q, torch.full_like(q, 3.0)], 2)[:, :, 0]
     again = mla.sparse_latent_attention_paged.implementation("compiled")(q_strided, pages, other, idx_strided, scale, L)
     assert torch.equal(again, got)
+    run = mla.sparse_latent_attention_paged.implementation("compiled")
     with pytest.raises(RuntimeError, match="block-table rows"):
-        mla.sparse_latent_attention_paged.implementation("compiled")(
-            q, pages, dataclasses.replace(plan, block_table=plan.block_table[:-1]), idx, scale, L)
+        run(q, pages, dataclasses.replace(plan, block_table=plan.block_table[:-1]), idx, scale, L)
+    descending = plan.cu_seqlens.clone()
+    descending[1] = descending[2] + 1
+    with pytest.raises(RuntimeError, match="ascend"):
+        run(q, pages, dataclasses.replace(plan, cu_seqlens=descending), idx, scale, L)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        run(q.double(), pages, plan, idx, scale, L)
 
 
 def test_sparse_attention_one_sequence_matches_torch():
