@@ -293,11 +293,7 @@ void token_pairs_into(const RowOf& row, int64_t M, int64_t K, int64_t P, const P
   for (int64_t j = 0; j < M; ++j) {
     const c10::BFloat16* values;
     if constexpr (kRounded) {
-      const float* src = row(j);
-      for (int64_t k = 0; k < K; k += kLanes) {
-        const int m = static_cast<int>(std::min<int64_t>(kLanes, K - k));
-        store(b.data() + k, load(src + k, m), m);
-      }
+      from_float(row(j), b.data(), K);
       values = b.data();
     } else {
       values = row(j);

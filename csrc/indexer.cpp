@@ -517,11 +517,7 @@ void store_pooled_keys(at::Tensor& pooled, const at::Tensor& raw, const at::Tens
         }
         for (int64_t j = 0; j < kp; ++j) grow[j] = krow[j] + dI;
         compress_pool(krow, grow, ape.data_ptr<float>(), kp, dI, out.data());
-        scalar_t* dst = pbase + blk * pooled.stride(0) + pool * pooled.stride(1);
-        for (int64_t c = 0; c < dI; c += kLanes) {
-          const int m = static_cast<int>(std::min<int64_t>(kLanes, dI - c));
-          store(dst + c, load(out.data() + c, m), m);
-        }
+        from_float(out.data(), pbase + blk * pooled.stride(0) + pool * pooled.stride(1), dI);
       }
     });
   });

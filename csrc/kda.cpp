@@ -102,14 +102,6 @@ void run_group(float* S, int64_t ldS, int64_t dk, int ncols, const HeadInputs& i
   }
 }
 
-// dst[0..n) = src[0..n) (a group's row: a few lane groups, inline; std::copy's library call per row cost more
-// than the decode recurrence itself).
-inline void copy_floats(const float* src, float* dst, int64_t n) {
-  for (int64_t c = 0; c < n; c += kLanes) {
-    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - c));
-    store(dst + c, load(src + c, m), m);
-  }
-}
 
 at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
@@ -236,7 +228,7 @@ at::Tensor kda_varlen(const at::Tensor& q_, const at::Tensor& k_, const at::Tens
       }
       for (int64_t i = 0; i < dk; ++i) {
         float* dst = S.data() + i * group_cols;
-        if (group_in != nullptr) copy_floats(group_in + i * ps2, dst, ncols);
+        if (group_in != nullptr) from_float(group_in + i * ps2, dst, ncols);
         else std::fill(dst, dst + ncols, 0.0f);
       }
       int64_t t = 0;
@@ -248,7 +240,7 @@ at::Tensor kda_varlen(const at::Tensor& q_, const at::Tensor& k_, const at::Tens
       for (const auto& [after, slot] : outs) {
         run(after + 1);
         for (int64_t i = 0; i < dk; ++i)
-          copy_floats(S.data() + i * group_cols, sp + slot * ps0 + h * ps1 + i * ps2 + c0, ncols);
+          from_float(S.data() + i * group_cols, sp + slot * ps0 + h * ps1 + i * ps2 + c0, ncols);
       }
       run(len);  // tokens after the last store point still produce outputs
     }

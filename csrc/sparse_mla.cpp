@@ -154,11 +154,7 @@ void heads_to_float(const at::Tensor& x, int64_t t, int64_t h0, int64_t nh, floa
 void heads_from_float(const float* src, int64_t t, int64_t h0, int64_t nh, at::Tensor& out) {
   const int64_t H = out.size(1), L = out.size(2);
   GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "sparse_latent_attention", [&] {
-    scalar_t* dst = out.data_ptr<scalar_t>() + (t * H + h0) * L;
-    for (int64_t i = 0; i < nh * L; i += kLanes) {
-      const int m = static_cast<int>(std::min<int64_t>(kLanes, nh * L - i));
-      store(dst + i, load(src + i, m), m);
-    }
+    from_float(src, out.data_ptr<scalar_t>() + (t * H + h0) * L, nh * L);
   });
 }
 

@@ -494,6 +494,16 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   }
 }
 
+// dst[0..n) = src[0..n) rounded once to T (to nearest even; a plain copy for float). Inline: the rows it copies are
+// short, and std::copy's library call per row cost more than the KDA decode recurrence that copies its state rows.
+template <typename T>
+inline void from_float(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const int m = static_cast<int>(std::min<int64_t>(kLanes, n - i));
+    store(dst + i, load(src + i, m), m);
+  }
+}
+
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 }  // namespace glm53
