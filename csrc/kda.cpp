@@ -102,7 +102,6 @@ void run_group(float* S, int64_t ldS, int64_t dk, int ncols, const HeadInputs& i
   }
 }
 
-
 at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
 void check_f32(const at::Tensor& t, const char* name) {
