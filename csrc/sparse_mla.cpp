@@ -48,19 +48,26 @@ void attend_block(const float* q, int64_t L, const float* const* blk, int nb, co
       if (j < nb) ahead[n_ahead++] = blk[j];
       else if (j - nb < n_next) ahead[n_ahead++] = next[j - nb];
     }
+    // A whole group of rows every time (a short last group repeats its last row, whose extra sums are dropped): with
+    // the row count known to the compiler the sums stay in registers; a loop to nj kept them on the stack, a store
+    // and a load around every FMA.
+    const float* group[kRowGroup];
+    for (int j = 0; j < kRowGroup; ++j) group[j] = blk[j0 + std::min(j, nj - 1)];
     F16 part[HG][kRowGroup];
     for (int h = 0; h < HG; ++h)
       for (int j = 0; j < kRowGroup; ++j) part[h][j] = zero();
-    for (int64_t c = 0; c < L; c += kLanes) {
-      const int m = static_cast<int>(std::min<int64_t>(kLanes, L - c));
+    const auto columns = [&](int64_t c, int m) {
       for (int r = 0; r < n_ahead; ++r) __builtin_prefetch(static_cast<const char*>(ahead[r]) + c * sizeof(float));
       F16 qv[HG];
       for (int h = 0; h < HG; ++h) qv[h] = load(q + h * L + c, m);
-      for (int j = 0; j < nj; ++j) {
-        const F16 r = load(blk[j0 + j] + c, m);
+      for (int j = 0; j < kRowGroup; ++j) {
+        const F16 r = load(group[j] + c, m);
         for (int h = 0; h < HG; ++h) part[h][j] = fma(qv[h], r, part[h][j]);
       }
-    }
+    };
+    int64_t c = 0;
+    for (; c + kLanes <= L; c += kLanes) columns(c, kLanes);  // whole lane groups: no mask in the loop
+    if (c < L) columns(c, static_cast<int>(L - c));
     for (int h = 0; h < HG; ++h)
       for (int j = 0; j < nj; ++j) logit[h][j0 + j] = scale * reduce_add(part[h][j]);
   }
