@@ -48,9 +48,9 @@ void attend_block(const float* q, int64_t L, const float* const* blk, int nb, co
       if (j < nb) ahead[n_ahead++] = blk[j];
       else if (j - nb < n_next) ahead[n_ahead++] = next[j - nb];
     }
-    // A whole group of rows every time (a short last group repeats its last row, whose extra sums are dropped): with
-    // the row count known to the compiler the sums stay in registers; a loop to nj kept them on the stack, a store
-    // and a load around every FMA.
+    // A whole group of rows every time (a short last group repeats its last row, whose extra sums are dropped), and
+    // the masked tail out of the loop: so the sums stay in registers. With a loop to nj and the mask inside, the
+    // compiler kept them in memory too, a store beside every FMA (1.3x slower at 64 heads).
     const float* group[kRowGroup];
     for (int j = 0; j < kRowGroup; ++j) group[j] = blk[j0 + std::min(j, nj - 1)];
     F16 part[HG][kRowGroup];
