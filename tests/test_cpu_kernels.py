@@ -559,14 +559,12 @@ def test_sparse_attention_paged_matches_torch(dtype, H, L):
     assert torch.equal(got[starts[6] + 3], torch.zeros_like(got[0]))
     # the kernel reads the plan's index tensors and the selection where they lie, int32 and int64 alike, strided,
     # and queries whose heads are not adjacent: the same values
-    plan = args[2]
+    plan, run = args[2], mla.sparse_latent_attention_paged.implementation("compiled")
     table32 = torch.stack([plan.block_table.int(), torch.full_like(plan.block_table.int(), -7)], 2)[:, :, 0]
     other = dataclasses.replace(plan, block_table=table32, cu_seqlens=plan.cu_seqlens.int())
     idx_strided = torch.stack([idx.int(), torch.full_like(idx.int(), 5)], 2)[:, :, 0]
     q_strided = torch.stack([q, torch.full_like(q, 3.0)], 2)[:, :, 0]
-    again = mla.sparse_latent_attention_paged.implementation("compiled")(q_strided, pages, other, idx_strided, scale, L)
-    assert torch.equal(again, got)
-    run = mla.sparse_latent_attention_paged.implementation("compiled")
+    assert torch.equal(run(q_strided, pages, other, idx_strided, scale, L), got)
     with pytest.raises(RuntimeError, match="block-table rows"):
         run(q, pages, dataclasses.replace(plan, block_table=plan.block_table[:-1]), idx, scale, L)
     descending = plan.cu_seqlens.clone()
