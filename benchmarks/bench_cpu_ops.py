@@ -284,7 +284,7 @@ class PagedCache:
     block = 512  # --block
     ROW = cache_row_size(L, dI, kp)
 
-    def __init__(self, B: int, S: int, copies: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, B: int, S: int, copies: int, dtype: torch.dtype = torch.float32, width: int | None = None):
         nb = -(-S // self.block)
         self.copies = copies
         total = copies * B * nb
@@ -293,7 +293,7 @@ class PagedCache:
         self.B, self.S = B, S
         self.starts = list(range(B + 1))
         self.seq_lens = [S] * B
-        self.width = self.topk + self.kp - 1
+        self.width = self.topk + self.kp - 1 if width is None else width
         self.plans = [self._make_plan(copy) for copy in range(copies)]
 
     @classmethod
@@ -374,6 +374,59 @@ def bench_sparse_mla(H: int, B: int, contexts: list[int], bw: float, repeat: int
         out.append(row(S, n_sel, fmt_us(t_torch), fmt_us(t_comp), fmt_us(floor), fmt_us(scattered), ratio,
                        f"{t_torch / t_comp:.1f}x" if t_comp else "—"))
         del cache
+    return out
+
+
+def bench_sparse_mla_release(batches: list[int], contexts: list[int], bw: float, repeat: int, ops) -> list[str]:
+    """The release's geometry: 64 heads, index_topk 2048 (+ a tail of 3), bfloat16 queries and cache. There every head
+    reads the same 2,048 rows, so the op is bound by its arithmetic, not its reads: the compiled op on AMX tiles
+    (where the kernels use them) against its float32 path (the tiles turned off for those calls) and torch."""
+    L, H, width = PagedCache.L, 64, 2048 + PagedCache.kp - 1
+    tiles = kernels.amx_tiles()
+    out = [
+        f"Sparse-MLA decode attention at the release's size (H={H}, latent {L}, index width {width}, bfloat16 queries "
+        "and cache); times in µs",
+        "",
+        row("batch", "context", "torch (gather selected, bfloat16)", "compiled, float32 path", "compiled, AMX tiles",
+            "floor", "tiles x floor", "tiles vs float32 path", "tiles vs torch"),
+        row(*["---"] * 9),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    op = mla.sparse_latent_attention_paged.implementation("compiled") if ops is not None else None
+    for B in batches:
+        for S in contexts:
+            cache = PagedCache(B, S, copies_for(PagedCache.bytes_per_copy(B, S, 2), repeat), torch.bfloat16, width)
+            q = torch.randn(B, H, L).bfloat16()
+            idx = [cache.indices(gen) for _ in range(3 * (repeat + 1))]
+            scale = 256**-0.5
+
+            def torch_call(i):
+                return sparse_mla_gather_torch(q, cache.pages.latent, cache.table(i), idx[i], scale, L)
+
+            def compiled_call(i, on_tiles):
+                kernels.set_amx_tiles(on_tiles)
+                try:
+                    return op(q, cache.pages.latent, cache.plan(i), idx[i], scale, L)
+                finally:
+                    kernels.set_amx_tiles(tiles)
+
+            t_f32 = t_tiles = None
+            if op is not None:
+                f32 = compiled_call(0, False)
+                check(f32, sparse_mla_gather_torch(q.float(), cache.pages.latent.float(), cache.table(0), idx[0],
+                                                   scale, L), f"sparse MLA float32 path, batch {B}, context {S}",
+                      tol=2**-7)  # its outputs rounded to bfloat16
+                t_f32 = median_time(lambda i: compiled_call(i, False), repeat)
+                if tiles:  # each weight and output rounded to bfloat16: within a bfloat16 ulp of the scale
+                    check(compiled_call(0, True), f32, f"sparse MLA on tiles, batch {B}, context {S}", tol=2**-7)
+                    t_tiles = median_time(lambda i: compiled_call(i, True), repeat, first=2 * (repeat + 1))
+            t_torch = median_time(torch_call, repeat, first=repeat + 1)
+            n_sel = int((idx[0][0] >= 0).sum())
+            floor = (B * n_sel * L * 2 + 2 * B * H * L * 2) / bw
+            out.append(row(B, S, fmt_us(t_torch), fmt_us(t_f32), fmt_us(t_tiles), fmt_us(floor),
+                           f"{t_tiles / floor:.1f}" if t_tiles else "—",
+                           f"{t_f32 / t_tiles:.2f}x" if t_tiles else "—", f"{t_torch / t_tiles:.1f}x" if t_tiles else "—"))
+            del cache
     return out
 
 
@@ -599,6 +652,7 @@ def main() -> None:
         show(bench_kda_prefill(args.heads, 128, [64, 512, 2048], args.repeat, ops))
     if "mla" in only:
         show(bench_sparse_mla(args.heads, args.batch, contexts, read_bw, args.repeat, ops))
+        show(bench_sparse_mla_release([1, args.batch], [c for c in contexts if c >= 4096], read_bw, args.repeat, ops))
     if "indexer" in only:
         show(bench_indexer(args.batch, [c for c in contexts if c >= 256], read_bw, args.repeat, ops))
     if "mhc" in only:

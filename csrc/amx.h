@@ -74,9 +74,9 @@ inline bool set_amx_tiles(bool on) {
 }
 
 #if GLM53_HAS_AMX
-// Tiles 0 and 1: C, 16 rows x 16 float32; tiles 2 and 3: A, 16 rows x 32 bfloat16; tiles 4 and 5: B, 16 pairs x
-// 16 tokens. Two of each, so consecutive products use different tiles (tile registers are not renamed: a load into
-// a tile waits for the product reading it). A constant in memory: GCC 12's _tile_loadconfig tells the compiler it
+// Tiles 0 and 1 (and 6 and 7, for amx_block_2x2): C, 16 rows x 16 float32; tiles 2 and 3: A, 16 rows x 32
+// bfloat16; tiles 4 and 5: B, 16 pairs x 16 tokens. Two of each, so consecutive products use different tiles (tile
+// registers are not renamed: a load into a tile waits for the product reading it). A constant in memory: GCC 12's _tile_loadconfig tells the compiler it
 // reads only the first 8 bytes of its operand, so a configuration built on the stack lost its other stores (and
 // the first tile instruction faulted).
 struct alignas(64) TileConfig {
@@ -84,7 +84,8 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16];
   uint8_t rows[16];
 };
-inline constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16}};
+inline constexpr TileConfig kTileConfig = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64},
+                                           {16, 16, 16, 16, 16, 16, 16, 16}};
 
 GLM53_AMX inline void amx_configure() { _tile_loadconfig(&kTileConfig); }
 GLM53_AMX inline void amx_release() { _tile_release(); }
@@ -167,6 +168,42 @@ GLM53_AMX inline void amx_rows_by_two_pairs(const c10::BFloat16* rows, int64_t r
   }
   _tile_stored(0, c0, kLanes * sizeof(float));
   _tile_stored(1, c1, kLanes * sizeof(float));
+}
+
+// A 2 x 2 block of products: c[i][j] (16 rows x 16 float32, ``c_bytes`` apart) = a_i . b_j over ``steps`` products
+// (kAdd: += onto the sums in c, kept in memory between calls), where a_i is 16 rows of 32 bfloat16 values (``a_bytes``
+// apart, the next step's 32 values after them) and b_j 16 rows of 16 pairs (``b_bytes`` apart, the next step's 16 rows
+// after them). Each A load feeds two products, each B load two. The tiles must be configured (amx_configure).
+template <bool kAdd>
+GLM53_AMX inline void amx_block_2x2(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_bytes,
+                                    const uint32_t* b0, const uint32_t* b1, int64_t b_bytes, int64_t steps, float* c00,
+                                    float* c01, float* c10, float* c11, int64_t c_bytes) {
+  const int64_t b_step = 16 * b_bytes / static_cast<int64_t>(sizeof(uint32_t));
+  if constexpr (kAdd) {
+    _tile_loadd(0, c00, c_bytes);
+    _tile_loadd(1, c01, c_bytes);
+    _tile_loadd(6, c10, c_bytes);
+    _tile_loadd(7, c11, c_bytes);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, b0 + s * b_step, b_bytes);
+    _tile_loadd(5, b1 + s * b_step, b_bytes);
+    _tile_loadd(2, a0 + s * 32, a_bytes);
+    _tile_loadd(3, a1 + s * 32, a_bytes);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 2, 5);
+    _tile_dpbf16ps(6, 3, 4);
+    _tile_dpbf16ps(7, 3, 5);
+  }
+  _tile_stored(0, c00, c_bytes);
+  _tile_stored(1, c01, c_bytes);
+  _tile_stored(6, c10, c_bytes);
+  _tile_stored(7, c11, c_bytes);
 }
 #endif
 

@@ -18,6 +18,7 @@
 
 #include "amx.h"
 #include "common.h"
+#include "gemv.h"  // token_pairs_into
 
 namespace glm53 {
 namespace {
@@ -158,12 +159,194 @@ void heads_to_float(const at::Tensor& x, int64_t t, int64_t h0, int64_t nh, floa
   });
 }
 
+// Query t's selected rows (request r's positions idx[t, :], -1 skipped) as pointers into the cache pages; their count.
+template <typename T>
+int64_t selected_rows(const IndexView& idx, const IndexView& bt, int64_t r, int64_t t, int64_t N, int64_t block_size,
+                      int64_t max_blocks, int64_t n_blocks, const T* base, int64_t block_stride, int64_t row_stride,
+                      const T** sel, const char* what) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t pos = idx(t, i);
+    if (pos < 0) continue;
+    TORCH_CHECK(pos / block_size < max_blocks, what, ": position ", pos, " beyond the block table");
+    const int64_t blk = bt(r, pos / block_size);
+    TORCH_CHECK(blk >= 0 && blk < n_blocks, what, ": block id ", blk, " outside the cache");
+    sel[n++] = base + blk * block_stride + (pos % block_size) * row_stride;
+  }
+  return n;
+}
+
 void heads_from_float(const float* src, int64_t t, int64_t h0, int64_t nh, at::Tensor& out) {
   const int64_t H = out.size(1), L = out.size(2);
   GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "sparse_latent_attention", [&] {
     from_float(src, out.data_ptr<scalar_t>() + (t * H + h0) * L, nh * L);
   });
 }
+
+constexpr int64_t kTileMinHeads = 16;  // fewer heads stay on the float32 path (measured: benchmarks/README.md)
+
+#if GLM53_HAS_AMX
+// ---- On AMX tiles: bfloat16 queries and cache rows ----
+// All heads of a query read the same selected rows (each row is both key and value), so a block of rows is two
+// matrix products: the scores S = rows x q (A: 16 rows staged in a copy, 32 latent values a product; B: 16 heads
+// in pairs of latent values, token_pairs_into's layout; C: 16 rows x 16 heads) and the update acc += P x rows (A:
+// the block's softmax weights, 16 heads x 32 rows, rounded once to bfloat16 as tdpbf16ps takes them; B: the rows
+// interleaved in pairs; C: 16 heads x 16 latent values, the running sums, kept in memory). The online softmax runs
+// per block of kTileRows rows on vectors of 16 heads; the weights are transposed in registers to heads x rows.
+// Products exact, sums in float32 (inputs and results below 2^-126 flushed to zero), so the values differ from the
+// float32 path by the weights' rounding and the order of the sums. One tdpbf16ps does 16 x 16 x 32 products where
+// an FMA does 16: at the release's 64 heads the float32 path is bound by its arithmetic (~1.6 ms a decode token and
+// layer over 2,048 rows on the development machine, where the rows arrive in ~0.1 ms). On the tiles what bounds it
+// is moving the operands: each product loads a tile (1 KiB, ~12 ns there, against ~5 ns for the product), two
+// products per load at best with eight tiles (amx_block_2x2; benchmarks/README.md).
+constexpr int64_t kTileRows = 256;  // rows per online-softmax step: a multiple of 32 (the update's K)
+
+// Exchange tables of transpose_16x16: for bit k of the lane index, where row r (bit k clear) and row r | 2^k
+// take their lanes from (permutex2var: index 16 + i is the second row's lane i).
+struct TransposeIndices {
+  alignas(64) int32_t low[4][kLanes], high[4][kLanes];
+  constexpr TransposeIndices() : low{}, high{} {
+    for (int k = 0; k < 4; ++k)
+      for (int c = 0; c < kLanes; ++c) {
+        const int b = 1 << k;
+        low[k][c] = (c & b) ? 16 + c - b : c;
+        high[k][c] = (c & b) ? 16 + c : c + b;
+      }
+  }
+};
+inline constexpr TransposeIndices kTranspose{};
+
+// r[i][j] -> r[j][i] for a 16 x 16 float32 block in registers: four exchanges, each swapping one bit of the row
+// index with the same bit of the lane index (row r and r | 2^k trade the lanes whose bit k differs from theirs).
+inline void transpose_16x16(__m512* r) {
+  for (int k = 0; k < 4; ++k) {
+    const int b = 1 << k;
+    const __m512i lo = _mm512_load_si512(kTranspose.low[k]), hi = _mm512_load_si512(kTranspose.high[k]);
+    for (int i = 0; i < kLanes; ++i) {
+      if (i & b) continue;
+      const __m512 x = r[i], y = r[i | b];
+      r[i] = _mm512_permutex2var_ps(x, lo, y);
+      r[i | b] = _mm512_permutex2var_ps(x, hi, y);
+    }
+  }
+}
+
+// One task's buffers on the tiles, for up to ``heads`` heads in blocks of 16, an even number of blocks (an odd count
+// gets a block of zero queries: every product takes two), and a latent of L values padded to Lp.
+struct TileScratch {
+  // Rows of the tiles' operands lie ld (4-byte values) or ld16 (bfloat16) apart, one cache line more than their width:
+  // at a power of two (2 KiB for the release's latent) a tile's 16 rows fell into two of the L1's sets.
+  int64_t blocks, L, Lp, ld, ld16, ldp;
+  std::vector<c10::BFloat16> stage;  // [kTileRows, ld16] the block's rows as they lie (A of the scores)
+  std::vector<uint32_t> pairs;       // [kTileRows / 2, ld] rows 2i and 2i + 1 interleaved (B of the update)
+  std::vector<uint32_t> qp;          // [blocks, Lp / 2, 16] the heads' latent values in pairs (B of the scores)
+  std::vector<float> s;              // [blocks, kTileRows, 16] scores, then softmax weights
+  std::vector<c10::BFloat16> p;      // [blocks, 16, ldp] the weights, heads as rows (A of the update)
+  std::vector<float> acc;            // [blocks * 16, ld] running sums
+  std::vector<float> run_max, run_sum;
+  TileScratch(int64_t heads, int64_t L_)
+      : blocks((heads + 2 * kLanes - 1) / (2 * kLanes) * 2), L(L_), Lp((L_ + 31) / 32 * 32), ld(Lp + 16),
+        ld16(Lp + 32), ldp(kTileRows + 32), stage(kTileRows * ld16), pairs(kTileRows / 2 * ld),
+        qp(blocks * Lp / 2 * kLanes), s(blocks * kTileRows * kLanes), p(blocks * kLanes * ldp),
+        acc(blocks * kLanes * ld), run_max(blocks * kLanes), run_sum(blocks * kLanes) {}
+};
+
+// attend() for nh heads of bfloat16 queries (q: head h's L values at q + h * head_stride) over bfloat16 rows, on the
+// tiles (configured by the caller); out [nh, L] float32.
+GLM53_AMX void attend_tiles(const c10::BFloat16* q, int64_t head_stride, int64_t nh, const c10::BFloat16* const* rows,
+                            int64_t n_rows, float scale, float* out, TileScratch& w) {
+  const int64_t L = w.L, Lp = w.Lp, ld = w.ld, ld16 = w.ld16, ldp = w.ldp,
+                blocks = (nh + 2 * kLanes - 1) / (2 * kLanes) * 2, per_block = Lp / 2 * kLanes;
+  std::fill_n(w.qp.begin(), blocks * per_block, 0u);
+  token_pairs_into([&](int64_t h) { return q + h * head_stride; }, nh, L, Lp / 2, [](int64_t i) { return i; },
+                   w.qp.data());
+  std::fill_n(w.acc.begin(), blocks * kLanes * ld, 0.0f);
+  std::fill_n(w.run_max.begin(), blocks * kLanes, -std::numeric_limits<float>::infinity());
+  std::fill_n(w.run_sum.begin(), blocks * kLanes, 0.0f);
+  const __m512i lo_pair = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0),
+                hi_pair = _mm512_add_epi16(lo_pair, _mm512_set1_epi16(16));
+  const F16 sc = set1(scale);
+  constexpr int64_t kS = kTileRows * kLanes;  // one block of heads' scores
+  for (int64_t b0 = 0; b0 < n_rows; b0 += kTileRows) {
+    const int64_t nc = std::min(kTileRows, n_rows - b0), padded = (nc + 31) / 32 * 32;
+    // The rows into both layouts in one pass: as they lie (the scores' A tiles) and rows 2i and 2i + 1 interleaved
+    // value by value (the update's B tiles); zero rows past the last up to the products' 32 (a zero weight times a
+    // stale row could be NaN) and zero columns past L.
+    for (int64_t i = 0; i < padded / 2; ++i) {
+      const c10::BFloat16 *r0 = 2 * i < nc ? rows[b0 + 2 * i] : nullptr,
+                          *r1 = 2 * i + 1 < nc ? rows[b0 + 2 * i + 1] : nullptr;
+      c10::BFloat16* s0 = &w.stage[2 * i * ld16];
+      uint32_t* d = &w.pairs[i * ld];
+      for (int64_t c = 0; c < Lp; c += 32) {
+        const __mmask32 m = c + 32 <= L ? ~__mmask32(0) : __mmask32((1ull << std::max<int64_t>(L - c, 0)) - 1);
+        const __m512i x = r0 ? _mm512_maskz_loadu_epi16(m, r0 + c) : _mm512_setzero_si512(),
+                      y = r1 ? _mm512_maskz_loadu_epi16(m, r1 + c) : _mm512_setzero_si512();
+        _mm512_storeu_si512(s0 + c, x);
+        _mm512_storeu_si512(s0 + ld16 + c, y);
+        _mm512_storeu_si512(d + c, _mm512_permutex2var_epi16(x, lo_pair, y));
+        _mm512_storeu_si512(d + c + 16, _mm512_permutex2var_epi16(x, hi_pair, y));
+      }
+    }
+    // Scores: 32 rows x two blocks of heads per group of products.
+    for (int64_t g = 0; g < padded; g += 32)
+      for (int64_t b = 0; b < blocks; b += 2) {
+        float* c = &w.s[b * kS + g * kLanes];
+        amx_block_2x2<false>(&w.stage[g * ld16], &w.stage[(g + 16) * ld16], ld16 * 2, &w.qp[b * per_block],
+                             &w.qp[(b + 1) * per_block], 64, Lp / 32, c, c + kS, c + 16 * kLanes,
+                             c + kS + 16 * kLanes, kLanes * sizeof(float));
+      }
+    // Online softmax on vectors of 16 heads, then the weights transposed to heads x rows in bfloat16.
+    for (int64_t b = 0; b < blocks; ++b) {
+      float* sb = &w.s[b * kS];
+      const F16 m_old = load(&w.run_max[b * kLanes]);
+      F16 m = m_old;
+      for (int64_t j = 0; j < nc; ++j) {
+        const F16 x = load(sb + j * kLanes) * sc;
+        store(sb + j * kLanes, x);
+        m = vmax(m, x);
+      }
+      F16 sum = zero();
+      for (int64_t j = 0; j < nc; ++j) {
+        const F16 e = exp(load(sb + j * kLanes) - m);
+        store(sb + j * kLanes, e);
+        sum = sum + e;
+      }
+      std::fill(sb + nc * kLanes, sb + padded * kLanes, 0.0f);
+      alignas(64) float corr[kLanes];
+      store(corr, exp(m_old - m));
+      store(&w.run_sum[b * kLanes], load(&w.run_sum[b * kLanes]) * load(corr) + sum);
+      store(&w.run_max[b * kLanes], m);
+      for (int64_t g = 0; g < padded; g += kLanes) {
+        __m512 r[kLanes];
+        for (int i = 0; i < kLanes; ++i) r[i] = _mm512_loadu_ps(sb + (g + i) * kLanes);
+        transpose_16x16(r);
+        for (int h = 0; h < kLanes; ++h) store(&w.p[(b * kLanes + h) * ldp + g], F16{r[h]});
+      }
+      if (b0 > 0)  // rescale the heads whose maximum rose (the first block's sums are still zero)
+        for (int h = 0; h < kLanes; ++h) {
+          if (corr[h] == 1.0f) continue;
+          float* a = &w.acc[(b * kLanes + h) * ld];
+          for (int64_t c = 0; c < Lp; c += kLanes) store(a + c, load(a + c) * set1(corr[h]));
+        }
+    }
+    // acc += P x rows: two blocks of heads x two blocks of 16 latent values per group of products.
+    const int64_t a_bytes = ldp * sizeof(c10::BFloat16), c_bytes = ld * sizeof(float);
+    for (int64_t b = 0; b < blocks; b += 2) {
+      const c10::BFloat16* a = &w.p[b * kLanes * ldp];
+      float* c = &w.acc[b * kLanes * ld];
+      for (int64_t cb = 0; cb < Lp; cb += 2 * kLanes)
+        amx_block_2x2<true>(a, a + kLanes * ldp, a_bytes, &w.pairs[cb], &w.pairs[cb + kLanes], ld * sizeof(uint32_t),
+                            padded / 32, c + cb, c + cb + kLanes, c + kLanes * ld + cb, c + kLanes * ld + cb + kLanes,
+                            c_bytes);
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    const float sum = w.run_sum[h], inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t c = 0; c < L; ++c) out[h * L + c] = w.acc[h * ld + c] * inv;
+  }
+}
+#endif
 
 }  // namespace
 
@@ -210,11 +393,39 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
     for (int64_t t = qs[r]; t < qs[r + 1]; ++t) req[t] = r;
   }
 
-  // Enough tasks for every thread: split heads only when there are fewer queries than threads.
+  // bfloat16 queries and rows multiply on AMX tiles where the kernels use them (heads in blocks of 16).
+  const bool tiles = GLM53_HAS_AMX && amx_tiles() && q.scalar_type() == at::kBFloat16 &&
+                     rows.scalar_type() == at::kBFloat16 && L % 2 == 0 && H >= kTileMinHeads;
+  // Enough tasks for every thread: split heads only when there are fewer queries than threads (on the tiles, in
+  // whole blocks of 16).
   const int64_t threads = at::get_num_threads();
   const int64_t split = T >= threads ? 1 : std::min<int64_t>(H, (threads + T - 1) / T);
-  const int64_t per_task = (H + split - 1) / split, n_groups = (H + per_task - 1) / per_task;
+  int64_t per_task = (H + split - 1) / split;
+  if (tiles) per_task = (per_task + kLanes - 1) / kLanes * kLanes;
+  const int64_t n_groups = (H + per_task - 1) / per_task;
 
+#if GLM53_HAS_AMX
+  if (tiles) {
+    const auto* base = rows.data_ptr<c10::BFloat16>();
+    const auto* qb = q.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, T * n_groups, 1, [&](int64_t begin, int64_t end) {
+      std::vector<const c10::BFloat16*> sel(N);
+      std::vector<float> of(per_task * L);
+      TileScratch scratch(per_task, L);
+      amx_configure();
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t = task / n_groups, h0 = (task % n_groups) * per_task, nh = std::min(per_task, H - h0);
+        const int64_t n_sel = selected_rows(idx, bt, req[t], t, N, block_size, max_blocks, n_blocks, base,
+                                            rows.stride(0), rows.stride(1), sel.data(), what);
+        attend_tiles(qb + t * q.stride(0) + h0 * q.stride(1), q.stride(1), nh, sel.data(), n_sel, scale, of.data(),
+                     scratch);
+        heads_from_float(of.data(), t, h0, nh, out);
+      }
+      amx_release();
+    });
+    return out;
+  }
+#endif
   GLM53_DISPATCH_FLOAT_TYPES(rows.scalar_type(), what, [&] {
     const scalar_t* base = rows.data_ptr<scalar_t>();
     at::parallel_for(0, T * n_groups, 1, [&](int64_t begin, int64_t end) {
@@ -223,16 +434,8 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
           of(per_task * L);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t = task / n_groups, h0 = (task % n_groups) * per_task, nh = std::min(per_task, H - h0);
-        const int64_t r = req[t];
-        int64_t n_sel = 0;
-        for (int64_t i = 0; i < N; ++i) {
-          const int64_t pos = idx(t, i);
-          if (pos < 0) continue;
-          TORCH_CHECK(pos / block_size < max_blocks, what, ": position ", pos, " beyond the block table");
-          const int64_t blk = bt(r, pos / block_size);
-          TORCH_CHECK(blk >= 0 && blk < n_blocks, what, ": block id ", blk, " outside the cache");
-          sel[n_sel++] = base + blk * rows.stride(0) + (pos % block_size) * rows.stride(1);
-        }
+        const int64_t n_sel = selected_rows(idx, bt, req[t], t, N, block_size, max_blocks, n_blocks, base,
+                                            rows.stride(0), rows.stride(1), sel.data(), what);
         heads_to_float(q, t, h0, nh, qf.data());
         attend(qf.data(), nh, L, sel.data(), n_sel, scale, of.data(), row_buf.data(), acc.data(), run.data(),
                run.data() + per_task);

@@ -575,6 +575,39 @@ def test_sparse_attention_paged_matches_torch(dtype, H, L):
         run(q.double(), pages, plan, idx, scale, L)
 
 
+# bfloat16 queries and cache from 16 heads on: AMX tiles (csrc/sparse_mla.cpp attend_tiles) where the kernels use
+# them, else the float32 path. One block of 16 heads, two and a half (40: padded to a pair of pairs) and the
+# release's 64; latents of 40 (padded to the tiles' 32s) and 512. The rows' scores rise along the selection for half
+# the heads and fall for the others (a component along u grows with the position), so the running maximum moves
+# between the kernel's blocks of 256 rows: a request reads 700 rows in order (two whole blocks and a short one), 257
+# (one more than a block) and 33 shuffled, and one reads nothing (zeros).
+@pytest.mark.parametrize("H,L", [(16, 512), (40, 40), (64, 64)])
+def test_sparse_attention_bf16_many_heads_matches_torch(H, L, bf16_products):
+    gen = _gen(33 + H)
+    seq_lens, q_lens, row = [700, 300, 40], [2, 1, 1], L + 8
+    u = torch.randn(L, generator=gen)
+    u = torch.cat([u / u.norm(), torch.zeros(8)])
+    pages, table = _paged(seq_lens, row, 64, torch.bfloat16, 34 + H, lambda r, S: 0.5 * torch.randn(
+        S, row, generator=gen) + 4 * (torch.arange(S) / S)[:, None] * u)
+    sign = torch.tensor([1.0, -1.0]).repeat(H // 2 + 1)[:H, None]
+    q = (torch.randn(4, H, L, generator=gen) + 3 * sign * u[:L]).bfloat16()
+    idx = torch.full((4, 700), -1, dtype=torch.int64)
+    idx[0] = torch.arange(700)
+    idx[1, :257] = torch.randperm(700, generator=gen)[:257].sort().values
+    idx[2, :33] = torch.randperm(300, generator=gen)[:33]
+    args = (q, pages, _latent_plan(q_lens, seq_lens, table), idx, 0.5, L)
+    got = mla.sparse_latent_attention_paged.implementation("compiled")(*args)
+    want = mla.sparse_latent_attention_paged.implementation("torch")(*args)
+    assert got.dtype == torch.bfloat16
+    # measured (ulps of max|reference|): AMX tiles 0.51-0.55 (each weight rounded to bfloat16), float32 path <= 0.13
+    _close(got, want, ulps=1)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    # one query alone, its heads split over the threads (in blocks of 16 on the tiles): the same values
+    one = mla.sparse_latent_attention_paged.implementation("compiled")(
+        q[:1], pages, _latent_plan([1], seq_lens[:1], table[:1]), idx[:1], 0.5, L)
+    assert torch.equal(one, got[:1])
+
+
 def test_sparse_attention_one_sequence_matches_torch():
     """The per-sequence entry point (a column slice of cache rows as the latent), dense and gathered."""
     gen = _gen(32)
