@@ -252,9 +252,11 @@ struct TileScratch {
 };
 
 // attend() for nh heads of bfloat16 queries (q: head h's L values at q + h * head_stride) over bfloat16 rows, on the
-// tiles (configured by the caller); out [nh, L] float32.
+// tiles (configured by the caller), short of the normalisation: leaves head h's sums of weight x row in w.acc[h * ld,
+// + L) and its softmax state (the largest scaled score, the sum of the weights relative to it) in w.run_max[h] and
+// w.run_sum[h], from which parts of one query's rows are merged (merge_parts) or the result is taken (normalised).
 GLM53_AMX void attend_tiles(const c10::BFloat16* q, int64_t head_stride, int64_t nh, const c10::BFloat16* const* rows,
-                            int64_t n_rows, float scale, float* out, TileScratch& w) {
+                            int64_t n_rows, float scale, TileScratch& w) {
   const int64_t L = w.L, Lp = w.Lp, ld = w.ld, ld16 = w.ld16, ldp = w.ldp,
                 blocks = (nh + 2 * kLanes - 1) / (2 * kLanes) * 2, per_block = Lp / 2 * kLanes;
   std::fill_n(w.qp.begin(), blocks * per_block, 0u);
@@ -341,9 +343,34 @@ GLM53_AMX void attend_tiles(const c10::BFloat16* q, int64_t head_stride, int64_t
                             c_bytes);
     }
   }
+}
+
+// out [nh, L] = the normalised result of attend_tiles' state in w.
+void normalised(const TileScratch& w, int64_t nh, float* out) {
   for (int64_t h = 0; h < nh; ++h) {
     const float sum = w.run_sum[h], inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t c = 0; c < L; ++c) out[h * L + c] = w.acc[h * ld + c] * inv;
+    for (int64_t c = 0; c < w.L; ++c) out[h * w.L + c] = w.acc[h * w.ld + c] * inv;
+  }
+}
+
+// One query's attention from parts of its rows attended separately: part k's unnormalised sums acc[k] [H, L], its
+// heads' largest scaled scores m[k] [H] and weight sums s[k] [H] (relative to m[k]) -> out [H, L]. Each part is
+// weighted by exp(m[k] - max over parts) (0 for a part without rows: m = -inf), as the online softmax rescales.
+void merge_parts(const float* acc, const float* m, const float* s, int64_t parts, int64_t H, int64_t L, float* out) {
+  for (int64_t h = 0; h < H; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < parts; ++k) top = std::max(top, m[k * H + h]);
+    float sum = 0.0f, wk[64];
+    for (int64_t k = 0; k < parts; ++k) {
+      wk[k] = m[k * H + h] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[k * H + h] - top);
+      sum += wk[k] * s[k * H + h];
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t c = 0; c < L; ++c) {
+      float v = 0.0f;
+      for (int64_t k = 0; k < parts; ++k) v += wk[k] * acc[(k * H + h) * L + c];
+      out[h * L + c] = v * inv;
+    }
   }
 }
 #endif
@@ -393,36 +420,57 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
     for (int64_t t = qs[r]; t < qs[r + 1]; ++t) req[t] = r;
   }
 
-  // bfloat16 queries and rows multiply on AMX tiles where the kernels use them (heads in blocks of 16).
+  // bfloat16 queries and rows multiply on AMX tiles where the kernels use them.
   const bool tiles = GLM53_HAS_AMX && amx_tiles() && q.scalar_type() == at::kBFloat16 &&
                      rows.scalar_type() == at::kBFloat16 && L % 2 == 0 && H >= kTileMinHeads;
-  // Enough tasks for every thread: split heads only when there are fewer queries than threads (on the tiles, in
-  // whole blocks of 16).
+  // Enough tasks for every thread where there are fewer queries than threads: the float32 path splits the heads; the
+  // tiles split the rows instead, into parts of at least kTileRows, each task one part with all the heads, merged
+  // after (split heads, every task would copy and lay out the same rows, with fewer heads to each product).
   const int64_t threads = at::get_num_threads();
   const int64_t split = T >= threads ? 1 : std::min<int64_t>(H, (threads + T - 1) / T);
-  int64_t per_task = (H + split - 1) / split;
-  if (tiles) per_task = (per_task + kLanes - 1) / kLanes * kLanes;
-  const int64_t n_groups = (H + per_task - 1) / per_task;
+  const int64_t parts = tiles && T < threads ? std::clamp<int64_t>(std::min(split, N / kTileRows), 1, 64) : 1;
+  const int64_t per_task = tiles ? H : (H + split - 1) / split, n_groups = (H + per_task - 1) / per_task;
 
 #if GLM53_HAS_AMX
   if (tiles) {
     const auto* base = rows.data_ptr<c10::BFloat16>();
     const auto* qb = q.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, T * n_groups, 1, [&](int64_t begin, int64_t end) {
+    // Parts' states (parts > 1): sums [T, parts, H, L], maxima and weight sums [T, parts, H].
+    std::vector<float> part_acc(parts > 1 ? T * parts * H * L : 0), part_max(parts > 1 ? T * parts * H : 0),
+        part_sum(part_max.size());
+    at::parallel_for(0, T * parts, 1, [&](int64_t begin, int64_t end) {
       std::vector<const c10::BFloat16*> sel(N);
-      std::vector<float> of(per_task * L);
-      TileScratch scratch(per_task, L);
+      std::vector<float> of(H * L);
+      TileScratch scratch(H, L);
       amx_configure();
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t t = task / n_groups, h0 = (task % n_groups) * per_task, nh = std::min(per_task, H - h0);
+        const int64_t t = task / parts, k = task % parts;
         const int64_t n_sel = selected_rows(idx, bt, req[t], t, N, block_size, max_blocks, n_blocks, base,
                                             rows.stride(0), rows.stride(1), sel.data(), what);
-        attend_tiles(qb + t * q.stride(0) + h0 * q.stride(1), q.stride(1), nh, sel.data(), n_sel, scale, of.data(),
-                     scratch);
-        heads_from_float(of.data(), t, h0, nh, out);
+        const int64_t per_part = (n_sel + parts - 1) / parts, lo = std::min(n_sel, k * per_part),
+                      hi = std::min(n_sel, lo + per_part);
+        attend_tiles(qb + t * q.stride(0), q.stride(1), H, sel.data() + lo, hi - lo, scale, scratch);
+        if (parts == 1) {
+          normalised(scratch, H, of.data());
+          heads_from_float(of.data(), t, 0, H, out);
+          continue;
+        }
+        for (int64_t h = 0; h < H; ++h)
+          std::memcpy(&part_acc[(task * H + h) * L], &scratch.acc[h * scratch.ld], L * sizeof(float));
+        std::copy_n(scratch.run_max.begin(), H, &part_max[task * H]);
+        std::copy_n(scratch.run_sum.begin(), H, &part_sum[task * H]);
       }
       amx_release();
     });
+    if (parts > 1)
+      at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> of(H * L);
+        for (int64_t t = begin; t < end; ++t) {
+          merge_parts(&part_acc[t * parts * H * L], &part_max[t * parts * H], &part_sum[t * parts * H], parts, H, L,
+                      of.data());
+          heads_from_float(of.data(), t, 0, H, out);
+        }
+      });
     return out;
   }
 #endif

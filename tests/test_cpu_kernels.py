@@ -602,10 +602,19 @@ def test_sparse_attention_bf16_many_heads_matches_torch(H, L, bf16_products):
     # measured (ulps of max|reference|): AMX tiles 0.51-0.55 (each weight rounded to bfloat16), float32 path <= 0.13
     _close(got, want, ulps=1)
     assert torch.equal(got[3], torch.zeros_like(got[3]))
-    # one query alone, its heads split over the threads (in blocks of 16 on the tiles): the same values
-    one = mla.sparse_latent_attention_paged.implementation("compiled")(
-        q[:1], pages, _latent_plan([1], seq_lens[:1], table[:1]), idx[:1], 0.5, L)
-    assert torch.equal(one, got[:1])
+    # one query alone on two threads: the float32 path splits its heads (the same values), the tiles its 700 rows
+    # (two parts, merged); with 33 selected rows in 33 columns the tiles take it whole (the same values)
+    run, threads = mla.sparse_latent_attention_paged.implementation("compiled"), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        one = run(q[:1], pages, _latent_plan([1], seq_lens[:1], table[:1]), idx[:1], 0.5, L)
+        short = run(q[2:3], pages, _latent_plan([1], seq_lens[1:2], table[1:2]), idx[2:3, :33], 0.5, L)
+    finally:
+        torch.set_num_threads(threads)
+    _close(one, want[:1], ulps=1)
+    if bf16_products != "AMX tiles":
+        assert torch.equal(one, got[:1])
+    assert torch.equal(short, got[2:3])
 
 
 def test_sparse_attention_one_sequence_matches_torch():
