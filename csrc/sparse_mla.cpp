@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -232,23 +233,27 @@ inline void transpose_16x16(__m512* r) {
 }
 
 // One task's buffers on the tiles, for up to ``heads`` heads in blocks of 16, an even number of blocks (an odd count
-// gets a block of zero queries: every product takes two), and a latent of L values padded to Lp.
+// gets a block of zero queries: every product takes two), and a latent of L values padded to Lp. Left uninitialised
+// (attend_tiles writes what it reads; zeroing them was a cold call's ~0.7 MB of stores).
 struct TileScratch {
+  template <typename T>
+  using Buffer = std::unique_ptr<T[]>;
   // Rows of the tiles' operands lie ld (4-byte values) or ld16 (bfloat16) apart, one cache line more than their width:
   // at a power of two (2 KiB for the release's latent) a tile's 16 rows fell into two of the L1's sets.
   int64_t blocks, L, Lp, ld, ld16, ldp;
-  std::vector<c10::BFloat16> stage;  // [kTileRows, ld16] the block's rows as they lie (A of the scores)
-  std::vector<uint32_t> pairs;       // [kTileRows / 2, ld] rows 2i and 2i + 1 interleaved (B of the update)
-  std::vector<uint32_t> qp;          // [blocks, Lp / 2, 16] the heads' latent values in pairs (B of the scores)
-  std::vector<float> s;              // [blocks, kTileRows, 16] scores, then softmax weights
-  std::vector<c10::BFloat16> p;      // [blocks, 16, ldp] the weights, heads as rows (A of the update)
-  std::vector<float> acc;            // [blocks * 16, ld] running sums
-  std::vector<float> run_max, run_sum;
+  Buffer<c10::BFloat16> stage;  // [kTileRows, ld16] the block's rows as they lie (A of the scores)
+  Buffer<uint32_t> pairs;       // [kTileRows / 2, ld] rows 2i and 2i + 1 interleaved (B of the update)
+  Buffer<uint32_t> qp;          // [blocks, Lp / 2, 16] the heads' latent values in pairs (B of the scores)
+  Buffer<float> s;              // [blocks, kTileRows, 16] scores, then softmax weights
+  Buffer<c10::BFloat16> p;      // [blocks, 16, ldp] the weights, heads as rows (A of the update)
+  Buffer<float> acc;            // [blocks * 16, ld] running sums
+  Buffer<float> run_max, run_sum;
   TileScratch(int64_t heads, int64_t L_)
       : blocks((heads + 2 * kLanes - 1) / (2 * kLanes) * 2), L(L_), Lp((L_ + 31) / 32 * 32), ld(Lp + 16),
-        ld16(Lp + 32), ldp(kTileRows + 32), stage(kTileRows * ld16), pairs(kTileRows / 2 * ld),
-        qp(blocks * Lp / 2 * kLanes), s(blocks * kTileRows * kLanes), p(blocks * kLanes * ldp),
-        acc(blocks * kLanes * ld), run_max(blocks * kLanes), run_sum(blocks * kLanes) {}
+        ld16(Lp + 32), ldp(kTileRows + 32), stage(new c10::BFloat16[kTileRows * ld16]),
+        pairs(new uint32_t[kTileRows / 2 * ld]), qp(new uint32_t[blocks * Lp / 2 * kLanes]),
+        s(new float[blocks * kTileRows * kLanes]), p(new c10::BFloat16[blocks * kLanes * ldp]),
+        acc(new float[blocks * kLanes * ld]), run_max(new float[blocks * kLanes]), run_sum(new float[blocks * kLanes]) {}
 };
 
 // attend() for nh heads of bfloat16 queries (q: head h's L values at q + h * head_stride) over bfloat16 rows, on the
@@ -259,12 +264,12 @@ GLM53_AMX void attend_tiles(const c10::BFloat16* q, int64_t head_stride, int64_t
                             int64_t n_rows, float scale, TileScratch& w) {
   const int64_t L = w.L, Lp = w.Lp, ld = w.ld, ld16 = w.ld16, ldp = w.ldp,
                 blocks = (nh + 2 * kLanes - 1) / (2 * kLanes) * 2, per_block = Lp / 2 * kLanes;
-  std::fill_n(w.qp.begin(), blocks * per_block, 0u);
+  std::fill_n(w.qp.get(), blocks * per_block, 0u);
   token_pairs_into([&](int64_t h) { return q + h * head_stride; }, nh, L, Lp / 2, [](int64_t i) { return i; },
-                   w.qp.data());
-  std::fill_n(w.acc.begin(), blocks * kLanes * ld, 0.0f);
-  std::fill_n(w.run_max.begin(), blocks * kLanes, -std::numeric_limits<float>::infinity());
-  std::fill_n(w.run_sum.begin(), blocks * kLanes, 0.0f);
+                   w.qp.get());
+  std::fill_n(w.acc.get(), blocks * kLanes * ld, 0.0f);
+  std::fill_n(w.run_max.get(), blocks * kLanes, -std::numeric_limits<float>::infinity());
+  std::fill_n(w.run_sum.get(), blocks * kLanes, 0.0f);
   const __m512i lo_pair = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                            37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0),
                 hi_pair = _mm512_add_epi16(lo_pair, _mm512_set1_epi16(16));
@@ -457,8 +462,8 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
         }
         for (int64_t h = 0; h < H; ++h)
           std::memcpy(&part_acc[(task * H + h) * L], &scratch.acc[h * scratch.ld], L * sizeof(float));
-        std::copy_n(scratch.run_max.begin(), H, &part_max[task * H]);
-        std::copy_n(scratch.run_sum.begin(), H, &part_sum[task * H]);
+        std::copy_n(scratch.run_max.get(), H, &part_max[task * H]);
+        std::copy_n(scratch.run_sum.get(), H, &part_sum[task * H]);
       }
       amx_release();
     });
