@@ -11,7 +11,9 @@ where the CPU has them). Cache pages of ``--block`` tokens: 512 by default, the 
 model's hybrid cache on a TP8 rank (each block's page must cover a KDA state page, which grows with the KDA heads a
 rank holds: 128 tokens would take TP32; TP1 gets several thousand). The page size sets how the indexer's reads are
 laid out: a page's pooled keys are contiguous (64 KiB per 512-token page in float32, 16 KiB per 128-token page).
-``VLLM_GLM53_CPU_ISA=avx2`` (or ``portable``) times another instruction set's kernels.
+``VLLM_GLM53_CPU_ISA=avx2`` (or ``portable``) times another instruction set's kernels. A second sparse-MLA table
+takes the release's geometry (64 heads, index_topk 2048, bfloat16 queries and cache, batch 1 and ``--batch``, from
+4K context), where the op is bound by its arithmetic, and times the compiled op's float32 path against its AMX tiles.
 
 Every timed call is cold, as in a model step where other layers ran in between: the last-level cache is flushed
 first (a write pass over a buffer twice its size), and each call works on a copy of the data (states, cache
