@@ -185,6 +185,7 @@ void heads_from_float(const float* src, int64_t t, int64_t h0, int64_t nh, at::T
 }
 
 constexpr int64_t kTileMinHeads = 16;  // fewer heads stay on the float32 path (measured: benchmarks/README.md)
+constexpr int64_t kTileRows = 256;  // rows per online-softmax step on the tiles: a multiple of 32 (the update's K)
 
 #if GLM53_HAS_AMX
 // ---- On AMX tiles: bfloat16 queries and cache rows ----
@@ -200,7 +201,6 @@ constexpr int64_t kTileMinHeads = 16;  // fewer heads stay on the float32 path (
 // layer over 2,048 rows on the development machine, where the rows arrive in ~0.1 ms). On the tiles what bounds it
 // is moving the operands: each product loads a tile (1 KiB, ~12 ns there, against ~5 ns for the product), two
 // products per load at best with eight tiles (amx_block_2x2; benchmarks/README.md).
-constexpr int64_t kTileRows = 256;  // rows per online-softmax step: a multiple of 32 (the update's K)
 
 // Exchange tables of transpose_16x16: for bit k of the lane index, where row r (bit k clear) and row r | 2^k
 // take their lanes from (permutex2var: index 16 + i is the second row's lane i).
