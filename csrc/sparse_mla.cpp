@@ -8,7 +8,8 @@
 // AVX-512, 2 with AVX2) so each load of a row feeds that many heads' FMAs. The selected rows sit at random places in the cache, one 2 KiB row here and
 // there, so the hardware prefetchers cannot run ahead of them: while a group of rows is scored, the next group's
 // rows are prefetched one cache line per lane group (about 2x faster than without, on the development machine;
-// prefetching a whole block at once overflowed the line-fill buffers and gained nothing).
+// prefetching a whole block at once overflowed the line-fill buffers and gained nothing). With bfloat16 queries and
+// cache and 16 or more heads, a CPU with AMX runs the attention as tile products instead (attend_tiles below).
 
 #include <torch/library.h>
 
