@@ -425,9 +425,9 @@ def bench_sparse_mla_release(batches: list[int], contexts: list[int], bw: float,
             t_torch = median_time(torch_call, repeat, first=repeat + 1)
             n_sel = int((idx[0][0] >= 0).sum())
             floor = (B * n_sel * L * 2 + 2 * B * H * L * 2) / bw
-            out.append(row(B, S, fmt_us(t_torch), fmt_us(t_f32), fmt_us(t_tiles), fmt_us(floor),
-                           f"{t_tiles / floor:.1f}" if t_tiles else "—",
-                           f"{t_f32 / t_tiles:.2f}x" if t_tiles else "—", f"{t_torch / t_tiles:.1f}x" if t_tiles else "—"))
+            ratios = (f"{t_tiles / floor:.1f}", f"{t_f32 / t_tiles:.2f}x", f"{t_torch / t_tiles:.1f}x") if t_tiles \
+                else ("—",) * 3
+            out.append(row(B, S, fmt_us(t_torch), fmt_us(t_f32), fmt_us(t_tiles), fmt_us(floor), *ratios))
             del cache
     return out
 

@@ -1,7 +1,8 @@
 // AMX tiles (Intel Xeon from Sapphire Rapids on) for the products with bfloat16 tokens: block-FP8 weights (the tile
 // path of fp8_linear and moe_experts_fp8), bfloat16 experts (moe_experts), the indexer's pool scores
-// (indexer.cpp's score_pools_tiles: the pooled keys as the rows, the query's heads as the tokens), and the MLA's
-// per-head products (sparse_mla.cpp's head_products: the weights prepacked as B tiles, the tokens as the rows).
+// (indexer.cpp's score_pools_tiles: the pooled keys as the rows, the query's heads as the tokens), the MLA's
+// per-head products (sparse_mla.cpp's head_products: the weights prepacked as B tiles, the tokens as the rows) and
+// its sparse attention (sparse_mla.cpp's attend_tiles: scores and update as products of 2 x 2 tile blocks).
 //
 // The avx512 build's bfloat16 pairs (gemv.h) multiply a widened row tile with 16 tokens one column pair and one
 // vdpbf16ps at a time: 16 weights x 16 tokens per instruction. On an Intel Xeon with AMX that runs about one
@@ -76,9 +77,9 @@ inline bool set_amx_tiles(bool on) {
 #if GLM53_HAS_AMX
 // Tiles 0 and 1 (and 6 and 7, for amx_block_2x2): C, 16 rows x 16 float32; tiles 2 and 3: A, 16 rows x 32
 // bfloat16; tiles 4 and 5: B, 16 pairs x 16 tokens. Two of each, so consecutive products use different tiles (tile
-// registers are not renamed: a load into a tile waits for the product reading it). A constant in memory: GCC 12's _tile_loadconfig tells the compiler it
-// reads only the first 8 bytes of its operand, so a configuration built on the stack lost its other stores (and
-// the first tile instruction faulted).
+// registers are not renamed: a load into a tile waits for the product reading it). A constant in memory: GCC 12's
+// _tile_loadconfig tells the compiler it reads only the first 8 bytes of its operand, so a configuration built on the
+// stack lost its other stores (and the first tile instruction faulted).
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];

@@ -254,7 +254,8 @@ struct TileScratch {
         ld16(Lp + 32), ldp(kTileRows + 32), stage(new c10::BFloat16[kTileRows * ld16]),
         pairs(new uint32_t[kTileRows / 2 * ld]), qp(new uint32_t[blocks * Lp / 2 * kLanes]),
         s(new float[blocks * kTileRows * kLanes]), p(new c10::BFloat16[blocks * kLanes * ldp]),
-        acc(new float[blocks * kLanes * ld]), run_max(new float[blocks * kLanes]), run_sum(new float[blocks * kLanes]) {}
+        acc(new float[blocks * kLanes * ld]), run_max(new float[blocks * kLanes]),
+        run_sum(new float[blocks * kLanes]) {}
 };
 
 // attend() for nh heads of bfloat16 queries (q: head h's L values at q + h * head_stride) over bfloat16 rows, on the
