@@ -97,7 +97,11 @@ def test_bf16_checkpoint_agrees_with_float32_reference(tiny_ckpt):
     (it is at 0.67x / 0.82x) and 5 points of agreement. With the KDA output norm's weight dropped the plugin
     measured 0.238 / 0.283 / 0.309 (generated 0.286) and fails every bound. A bug whose float32 effect is below
     bf16 rounding cannot show here: dropping the MLA q_a norm entirely moved the plugin to 0.027 / 0.065 / 0.807,
-    transformers' own level; the float32 tests above catch that one token for token.
+    transformers' own level; the float32 tests above catch that one token for token. (Those numbers are from the
+    checkpoint's earlier 4 MLA heads.) With 16 (BF16_HEADS), on an Intel Xeon with AMX: the sparse attention on
+    the tiles 0.0249 / 0.0768 / 0.792 (generated 0.0243), on the float32 path (VLLM_GLM53_CPU_AMX=0) 0.0248 /
+    0.0764 / 0.798; transformers bf16 0.0242 / 0.0726 / 0.792; the tiles' weight transposition broken: 0.097 /
+    0.142 / 0.621, failing.
     """
     import statistics
 
