@@ -65,6 +65,25 @@ inline std::vector<int64_t> index_values(const at::Tensor& t, const char* op, co
   for (int64_t i = 0; i < t.size(0); ++i) v[i] = view(i);
   return v;
 }
+
+// A step plan's query starts and block table, checked as every op reading the plan needs them: query_start_loc
+// holds n_req + 1 offsets, ascending from 0 or more, the last exactly T (``every_query``: each query belongs to a
+// request) or at most T; the block table (2-D, checked by the caller) has a row for each request. Returns the
+// offsets.
+inline std::vector<int64_t> query_starts(const at::Tensor& query_start_loc, int64_t n_req, int64_t T,
+                                         bool every_query, const at::Tensor& block_table, const char* op) {
+  std::vector<int64_t> qs = index_values(query_start_loc, op, "query_start_loc");
+  TORCH_CHECK(static_cast<int64_t>(qs.size()) == n_req + 1, op, ": query_start_loc holds ", qs.size(),
+              " offsets for ", n_req, " requests");
+  for (int64_t r = 0; r < n_req; ++r)
+    TORCH_CHECK(qs[r] >= 0 && qs[r] <= qs[r + 1], op, ": query_start_loc must ascend from 0, got ", qs[r], " then ",
+                qs[r + 1]);
+  TORCH_CHECK(every_query ? qs[n_req] == T : qs[n_req] <= T, op, ": query_start_loc ends at ", qs[n_req],
+              every_query ? ", not " : ", past ", T);
+  TORCH_CHECK(block_table.size(0) >= n_req, op, ": ", n_req, " requests but ", block_table.size(0),
+              " block-table rows");
+  return qs;
+}
 }  // namespace glm53
 
 // Runs the lambda with ``scalar_t`` bound to the C++ type of a float32 / bfloat16 / float16 tensor (the dtypes

@@ -539,13 +539,11 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
               dI);
   TORCH_CHECK(block_table_.dim() == 2, "indexer_select: block_table must be [requests, blocks]");
   const IndexView block_table(block_table_, "indexer_select", "block_table");
-  const std::vector<int64_t> qsl = index_values(query_start_loc_, "indexer_select", "query_start_loc"),
-                             sl = index_values(seq_lens_, "indexer_select", "seq_lens");
+  const std::vector<int64_t> sl = index_values(seq_lens_, "indexer_select", "seq_lens");
   const int64_t n_req = static_cast<int64_t>(sl.size()), pools = pooled.size(1), block_size = pools * kp,
                 n_blocks = pooled.size(0), max_blocks = block_table_.size(1);
-  TORCH_CHECK(static_cast<int64_t>(qsl.size()) == n_req + 1 && qsl[n_req] <= T,
-              "indexer_select: query_start_loc must hold requests + 1 offsets into the queries");
-  TORCH_CHECK(block_table_.size(0) >= n_req, "indexer_select: block table has fewer rows than requests");
+  // (the queries past the last request's are padding: the output's rows for them stay -1)
+  const std::vector<int64_t> qsl = query_starts(query_start_loc_, n_req, T, false, block_table_, "indexer_select");
   const int64_t width = index_width(topk, kp, tail);
   const float scale = static_cast<float>(std::pow(static_cast<double>(dI), -0.5));
   const int64_t *qs = qsl.data(), *lens = sl.data();

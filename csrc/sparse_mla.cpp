@@ -406,26 +406,22 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
   TORCH_CHECK(rows.size(1) > 0, what, ": empty cache pages");
   TORCH_CHECK(indices_.dim() == 2 && indices_.size(0) == T, what, ": indices must be [T, N]");
   TORCH_CHECK(block_table_.dim() == 2, what, ": block_table must be [num_reqs, max_blocks]");
+  TORCH_CHECK(query_start_loc_.dim() == 1 && query_start_loc_.size(0) >= 1, what,
+              ": query_start_loc must be [num_reqs + 1]");
   const at::Tensor q = q_lat.stride(2) == 1 ? q_lat : q_lat.contiguous();
   const IndexView idx(indices_, what, "indices"), bt(block_table_, what, "block_table");
-  const std::vector<int64_t> qs = index_values(query_start_loc_, what, "query_start_loc");
-  const int64_t N = indices_.size(1), n_req = static_cast<int64_t>(qs.size()) - 1, block_size = rows.size(1),
-                n_blocks = rows.size(0), max_blocks = block_table_.size(1);
+  const int64_t n_req = query_start_loc_.size(0) - 1;
+  const std::vector<int64_t> qs = query_starts(query_start_loc_, n_req, T, true, block_table_, what);
+  const int64_t N = indices_.size(1), block_size = rows.size(1), n_blocks = rows.size(0),
+                max_blocks = block_table_.size(1);
   const float scale = static_cast<float>(scale_);
   at::Tensor out = at::empty({T, H, L}, q_lat.options());
   if (T == 0) return out;
 
   // Request of each query.
-  TORCH_CHECK(n_req >= 0 && qs[n_req] == T, what, ": query_start_loc ends at ", n_req >= 0 ? qs[n_req] : -1,
-              ", not ", T);
-  TORCH_CHECK(n_req <= block_table_.size(0), what, ": ", n_req, " requests but ", block_table_.size(0),
-              " block-table rows");
   std::vector<int64_t> req(T);
-  for (int64_t r = 0; r < n_req; ++r) {
-    TORCH_CHECK(qs[r] >= 0 && qs[r] <= qs[r + 1], what, ": query_start_loc must ascend from 0, got ", qs[r],
-                " then ", qs[r + 1]);
+  for (int64_t r = 0; r < n_req; ++r)
     for (int64_t t = qs[r]; t < qs[r + 1]; ++t) req[t] = r;
-  }
 
   // bfloat16 queries and rows multiply on AMX tiles where the kernels use them.
   const bool tiles = GLM53_HAS_AMX && amx_tiles() && q.scalar_type() == at::kBFloat16 &&

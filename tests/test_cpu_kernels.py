@@ -525,6 +525,15 @@ def test_select_batch_identical_to_torch(integer_valued, dtype, nI, dI, bs, bf16
                                 seq_lens=plan.seq_lens.int())
     q_strided = torch.stack([q, torch.zeros_like(q)], 3)[..., 0]
     assert torch.equal(ix.select_batch.implementation("compiled")(q_strided, w, pages.pooled, other, topk, kp), want)
+    # a malformed plan is a clear error (the checks sparse_latent_attention shares: csrc/common.h query_starts)
+    descending = plan.cu_seqlens.clone()
+    descending[1] = descending[2] + 1
+    with pytest.raises(RuntimeError, match="ascend"):
+        ix.select_batch.implementation("compiled")(q, w, pages.pooled,
+                                                   dataclasses.replace(plan, cu_seqlens=descending), topk, kp)
+    with pytest.raises(RuntimeError, match="block-table rows"):
+        ix.select_batch.implementation("compiled")(q, w, pages.pooled,
+                                                   dataclasses.replace(plan, block_table=plan.block_table[:-1]), topk, kp)
 
 
 # ---------------------------------------------------------------------------------------------------------
