@@ -233,9 +233,9 @@ inline void transpose_16x16(__m512* r) {
   }
 }
 
-// One task's buffers on the tiles, for up to ``heads`` heads in blocks of 16, an even number of blocks (an odd count
-// gets a block of zero queries: every product takes two), and a latent of L values padded to Lp. Left uninitialised
-// (attend_tiles writes what it reads; zeroing them was a cold call's ~0.7 MB of stores).
+// One task's buffers on the tiles, for ``heads`` heads (attend_tiles' nh) in blocks of 16, an even number of blocks
+// (an odd count gets a block of zero queries: every product takes two), and a latent of L values padded to Lp. Left
+// uninitialised (attend_tiles writes what it reads; zeroing them was a cold call's ~0.7 MB of stores).
 struct TileScratch {
   template <typename T>
   using Buffer = std::unique_ptr<T[]>;
@@ -261,11 +261,11 @@ struct TileScratch {
 // attend() for nh heads of bfloat16 queries (q: head h's L values at q + h * head_stride) over bfloat16 rows, on the
 // tiles (configured by the caller), short of the normalisation: leaves head h's sums of weight x row in w.acc[h * ld,
 // + L) and its softmax state (the largest scaled score, the sum of the weights relative to it) in w.run_max[h] and
-// w.run_sum[h], from which parts of one query's rows are merged (merge_parts) or the result is taken (normalised).
+// w.run_sum[h], from which merge_parts takes the result (of one part, or of parts of one query's rows).
 GLM53_AMX void attend_tiles(const c10::BFloat16* q, int64_t head_stride, int64_t nh, const c10::BFloat16* const* rows,
                             int64_t n_rows, float scale, TileScratch& w) {
-  const int64_t L = w.L, Lp = w.Lp, ld = w.ld, ld16 = w.ld16, ldp = w.ldp,
-                blocks = (nh + 2 * kLanes - 1) / (2 * kLanes) * 2, per_block = Lp / 2 * kLanes;
+  const int64_t L = w.L, Lp = w.Lp, ld = w.ld, ld16 = w.ld16, ldp = w.ldp, blocks = w.blocks,
+                per_block = Lp / 2 * kLanes;
   std::fill_n(w.qp.get(), blocks * per_block, 0u);
   token_pairs_into([&](int64_t h) { return q + h * head_stride; }, nh, L, Lp / 2, [](int64_t i) { return i; },
                    w.qp.get());
@@ -352,18 +352,12 @@ GLM53_AMX void attend_tiles(const c10::BFloat16* q, int64_t head_stride, int64_t
   }
 }
 
-// out [nh, L] = the normalised result of attend_tiles' state in w.
-void normalised(const TileScratch& w, int64_t nh, float* out) {
-  for (int64_t h = 0; h < nh; ++h) {
-    const float sum = w.run_sum[h], inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t c = 0; c < w.L; ++c) out[h * w.L + c] = w.acc[h * w.ld + c] * inv;
-  }
-}
-
-// One query's attention from parts of its rows attended separately: part k's unnormalised sums acc[k] [H, L], its
-// heads' largest scaled scores m[k] [H] and weight sums s[k] [H] (relative to m[k]) -> out [H, L]. Each part is
-// weighted by exp(m[k] - max over parts) (0 for a part without rows: m = -inf), as the online softmax rescales.
-void merge_parts(const float* acc, const float* m, const float* s, int64_t parts, int64_t H, int64_t L, float* out) {
+// One query's attention from parts of its rows attended separately (attend_tiles' state of each): part k's
+// unnormalised sums acc[k] [H, L] (rows ``ld`` apart), its heads' largest scaled scores m[k] [H] and weight sums s[k]
+// [H] (relative to m[k]) -> out [H, L]. Each part is weighted by exp(m[k] - max over parts) (0 for a part without
+// rows: m = -inf), as the online softmax rescales; one part is its own result, normalised.
+void merge_parts(const float* acc, int64_t ld, const float* m, const float* s, int64_t parts, int64_t H, int64_t L,
+                 float* out) {
   for (int64_t h = 0; h < H; ++h) {
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t k = 0; k < parts; ++k) top = std::max(top, m[k * H + h]);
@@ -374,8 +368,8 @@ void merge_parts(const float* acc, const float* m, const float* s, int64_t parts
     }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     for (int64_t c = 0; c < L; ++c) {
-      float v = 0.0f;
-      for (int64_t k = 0; k < parts; ++k) v += wk[k] * acc[(k * H + h) * L + c];
+      float v = wk[0] * acc[h * ld + c];
+      for (int64_t k = 1; k < parts; ++k) v += wk[k] * acc[(k * H + h) * ld + c];
       out[h * L + c] = v * inv;
     }
   }
@@ -454,7 +448,7 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
                       hi = std::min(n_sel, lo + per_part);
         attend_tiles(qb + t * q.stride(0), q.stride(1), H, sel.data() + lo, hi - lo, scale, scratch);
         if (parts == 1) {
-          normalised(scratch, H, of.data());
+          merge_parts(scratch.acc.get(), scratch.ld, scratch.run_max.get(), scratch.run_sum.get(), 1, H, L, of.data());
           heads_from_float(of.data(), t, 0, H, out);
           continue;
         }
@@ -469,8 +463,8 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
       at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> of(H * L);
         for (int64_t t = begin; t < end; ++t) {
-          merge_parts(&part_acc[t * parts * H * L], &part_max[t * parts * H], &part_sum[t * parts * H], parts, H, L,
-                      of.data());
+          merge_parts(&part_acc[t * parts * H * L], L, &part_max[t * parts * H], &part_sum[t * parts * H], parts, H,
+                      L, of.data());
           heads_from_float(of.data(), t, 0, H, out);
         }
       });
