@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,10 +68,11 @@ def test_amx_tiles_exactly_where_the_cpu_has_them():
     has = ISA == "avx512" and "amx_bf16" in build.cpu_flags() and not os.environ.get(EMULATION_ENV)
     assert kernels.amx_tiles() == (has and os.environ.get(kernels.AMX_ENV, "1") != "0")
     assert ("AMX tiles" in kernels.description()) == kernels.amx_tiles()
-    probe = ("from vllm_glm53.backends.cpu import kernels; "
+    # kernel_isas first: in an emulated rerun it points the loader at the emulated library (this CPU has no avx512).
+    probe = ("import kernel_isas; from vllm_glm53.backends.cpu import kernels; "
              "print(kernels.amx_tiles(), 'AMX tiles' in kernels.description())")
     out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, kernels.AMX_ENV: "0"},
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300, check=True).stdout
     assert out.split() == ["False", "False"]
 
 
