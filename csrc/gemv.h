@@ -132,6 +132,53 @@ template <int R, int N, typename W, int A, bool kRowTokens = false>
     }
 }
 
+#if GLM53_AVX2
+// avx2, E4M3 rows: acc[r][j] = dot(rows[r], xs[j]) for a row pair against N tokens, N <= kPairTokens, each sum
+// one 8-lane vector over both halves of every 16-column group (eight partial sums, not dot_block's sixteen). With
+// a sum per half, a row pair against 3-4 tokens needs 12-16 of the 16 registers for its sums, so dot_block takes
+// one row at a time, and each row re-reads every token row (past the L1 from 2 tokens of 4,096 columns: ~2
+// weights a cycle on Zen 3); here both rows share each token load, and the two products of a group are a chain of
+// two fused multiply-adds per sum, so 6-8 sums keep both FMA units busy. ``ahead`` as in dot_block.
+constexpr int kPairTokens = 5;
+template <int N, int A>
+[[gnu::noinline]] void dot_pair_halves(const E4m3* const* rows, const E4m3* const* ahead, const float* const* xs,
+                                       int64_t len, float (*acc)[A]) {
+  static_assert(N <= kPairTokens && N <= A);
+  __m256 s[2][N];
+  for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < N; ++j) s[r][j] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes) {
+    if (ahead != nullptr)
+      for (int r = 0; r < 2; ++r) __builtin_prefetch(ahead[r] + i);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256 w0 = e4m3_floats8(rows[0] + i + 8 * h), w1 = e4m3_floats8(rows[1] + i + 8 * h);
+      for (int j = 0; j < N; ++j) {
+        __m256 x = _mm256_loadu_ps(xs[j] + i + 8 * h);
+        asm("" : "+x"(x));  // one load for both rows (GCC would fold it into each fused multiply-add)
+        s[0][j] = _mm256_fmadd_ps(w0, x, s[0][j]);
+        s[1][j] = _mm256_fmadd_ps(w1, x, s[1][j]);
+      }
+    }
+  }
+  if (i < len) {  // a partial group: vec.h's loads, zero past the end
+    const int m = static_cast<int>(len - i);
+    const F16 w[2] = {load(rows[0] + i, m), load(rows[1] + i, m)};
+    for (int j = 0; j < N; ++j) {
+      const F16 x = load(xs[j] + i, m);
+      for (int r = 0; r < 2; ++r) s[r][j] = _mm256_fmadd_ps(w[r].hi, x.hi, _mm256_fmadd_ps(w[r].lo, x.lo, s[r][j]));
+    }
+  }
+  for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < N; ++j) {
+      const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s[r][j], 1), _mm256_castps256_ps128(s[r][j]));
+      const __m128 s2 = _mm_add_ps(s4, _mm_shuffle_ps(s4, s4, _MM_SHUFFLE(1, 0, 3, 2)));
+      acc[r][j] = (_mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1))) * kE4m3SumScale;
+    }
+}
+#endif
+
 // The same for 1..N tokens (n picks the instantiation).
 template <int R, int N = kTok, typename W, int A>
 inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> const* ahead, const float* const* xs, int n,
@@ -141,10 +188,12 @@ inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> cons
   dot_block<R, N>(rows, ahead, xs, len, acc);
 }
 
-// Tokens up to which block-FP8 products take the direct path. avx2: 6, one row against six tokens in 12 of its 16
-// registers, where the tile path would fill 5-6 of a token group's 16 lanes: fp8_linear at 5-6 tokens 1.9-3.6x and
-// FP8 experts with 5-6 tokens each 1.5-1.9x faster than the tile path and the few-token path (released sizes).
-constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 6 : kDirectMaxTokens;
+// Tokens up to which block-FP8 products take the direct path. avx2: a token group's 16, up to which the tile path
+// costs the same for any count (its lanes past the tokens multiply zeros), in passes of at most kPairTokens
+// (dot_pair_halves). AMD Zen 3, released sizes (fp8_linear 12288 x 4096, 4 experts with as many tokens each),
+// caches flushed, 2 threads, the tile path's time / the direct path's: 2.0x at 8 tokens, 1.7x at 10, 1.2-1.5x at
+// 12, 1.1-1.3x at 13-15, 1.1x at 16 (benchmarks/README.md).
+constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 16 : kDirectMaxTokens;
 
 // 1 or 2 rows (``nr``) against ``n`` tokens, kTok at a time; acc[r][j] for j < n (n <= kDirectMaxTokens,
 // kE4m3DirectMaxTokens for E4M3 rows). ``ahead`` is prefetched during the first group only (the later groups find
@@ -153,14 +202,34 @@ constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 6 : kDirectMaxTokens;
 // loads. fp8_linear and FP8 experts at released sizes, caches flushed, 2 threads: avx2 1.2-1.8x faster at 3-4
 // tokens, portable 1.15-1.35x, avx512 1.1-1.3x at 5-8 (benchmarks/README.md; on bfloat16 pairs, dot_rows_pairs
 // below, two rows at a time measured faster on Zen 5). The sums are the same either way (every accumulator adds the
-// same products in the same order).
+// same products in the same order). avx2 instead takes the row pair against up to kPairTokens tokens at a time
+// (dot_pair_halves, sums of eight partial sums): same inputs, Zen 3, 1.2-1.35x faster than one row at a time at 3-6
+// tokens.
 template <typename W, int A>
 inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const* ahead, int nr,
                      const float* const* xs, int n, int64_t len, float (*acc)[A]) {
   if constexpr (std::is_same_v<W, E4m3>) {
     if (n > kTok) {
+#if GLM53_AVX2
+      // passes of nearly equal token counts (5: 3 + 2, 6: 3 + 3); the later ones find the rows in cache
+      const int passes = static_cast<int>(ceil_div(n, kPairTokens));
+      for (int p = 0, j0 = 0; p < passes; ++p) {
+        const int g = (n - j0) / (passes - p);
+        const E4m3* const* pf = p == 0 ? ahead : nullptr;
+        float part[2][kPairTokens];
+        switch (g) {  // 3 to 5: n > kTok
+          case 3: dot_pair_halves<3>(rows, pf, xs + j0, len, part); break;
+          case 4: dot_pair_halves<4>(rows, pf, xs + j0, len, part); break;
+          default: dot_pair_halves<5>(rows, pf, xs + j0, len, part); break;
+        }
+        for (int r = 0; r < nr; ++r)
+          for (int j = 0; j < g; ++j) acc[r][j0 + j] = part[r][j];
+        j0 += g;
+      }
+#else
       for (int r = 0; r < nr; ++r)
         dot_tokens<1, kE4m3DirectMaxTokens>(rows + r, ahead != nullptr ? ahead + r : nullptr, xs, n, len, acc + r);
+#endif
       return;
     }
   }
@@ -188,9 +257,10 @@ constexpr int kRowTile = std::min<int>(kRowsPerTask, kVectorRegs - 2);  // accum
 constexpr int64_t kColumnChunk = 256;  // columns widened per step: kRowTile rows of them stay in L1
 // Tokens from which moe.cpp's experts put them across the lanes. With fewer, most lanes of the one token group
 // would multiply zeros: there each row, dequantized into L1, is dotted with kTok tokens at a time (dot_tokens).
-// One FP8 expert of GLM-5.3-Flash's size, AVX2, 2 threads, two runs: one token group across the lanes 7.0-7.2 ms
-// (9 and 12 tokens; the same for any count up to 16), the dot products 5.8-6.0 (5 tokens), 6.6-7.0 (6), 7.4-7.8
-// (7), 8.3-8.5 (8).
+// One FP8 expert of GLM-5.3-Flash's size, AVX2 (Zen 5), 2 threads, two runs: one token group across the lanes
+// 7.0-7.2 ms (9 and 12 tokens; the same for any count up to 16), the dot products 5.8-6.0 (5 tokens), 6.6-7.0 (6),
+// 7.4-7.8 (7), 8.3-8.5 (8). The avx2 build's FP8 experts have since taken the direct path up to 16 tokens
+// (kE4m3DirectMaxTokens), which starts the tile path for them at 17.
 constexpr int64_t kAcrossLanesMinTokens = 7;
 // Token groups per pass over a block of rows (moe.cpp, which may give one expert a whole prefill's tokens): each
 // row tile reads the pass's token groups once, 4 MiB at K = 4,096 for 16 groups (256 tokens, where linear.cpp's

@@ -112,8 +112,9 @@ LINEAR_SHAPES = [([256], 256), ([200], 320), ([200, 200], 320), ([72, 128, 40], 
 
 
 @pytest.mark.parametrize("parts,K", LINEAR_SHAPES)
-# direct (up to 2 x kTok tokens, 6 on avx2: 3 takes the one-row form there and on portable, 6 is direct on avx2 and
-# tile elsewhere); tile (one, two token groups); 40: tile (avx2, avx512) / panels (portable); panels
+# direct (up to 2 x kTok tokens, 16 on avx2: 3 takes the one-row form on portable, row pairs against 3 tokens on
+# avx2, whose 6 and 16 go in passes of 3 and of 4; 6 and 16 are tile elsewhere); tile (one, two token groups; 20 on
+# avx2); 40: tile (avx2, avx512) / panels (portable); panels
 @pytest.mark.parametrize("M", [1, 3, 6, 16, 20, 40, 256])
 def test_fp8_linear_matches_dequantize_then_matmul(parts, K, M):
     gen = _gen(M * 100 + K)
@@ -129,9 +130,10 @@ def test_fp8_linear_matches_dequantize_then_matmul(parts, K, M):
 # (parts, K): fused ragged parts; a K inside one ragged block and an odd last part (its last row alone); two column
 # blocks, the second ragged; an odd K (no column pairs: the float32 tile path everywhere)
 @pytest.mark.parametrize("parts,K", [([200, 200], 320), ([72, 128, 41], 100), ([200], 700), ([200], 99)])
-# direct (row pairs against up to kTok tokens; one row alone against more; bfloat16 pairs from 2 tokens where the
-# CPU has bfloat16 dot products: both rows against all tokens, in two passes at 11); tile (one token group at 8 on
-# avx2, 11 and 16 without bfloat16 dot products; three groups, the last partly empty)
+# direct (row pairs against up to kTok tokens; one row alone against more, avx2 row pairs in passes of 3-5 up to
+# 16; bfloat16 pairs from 2 tokens where the CPU has bfloat16 dot products: both rows against all tokens, in two
+# passes at 11); tile (one token group at 11 and 16 without bfloat16 dot products, not on avx2; three groups, the
+# last partly empty)
 @pytest.mark.parametrize("M", [1, 3, 6, 8, 11, 16, 40])
 def test_fp8_linear_in_bfloat16(parts, K, M, bf16_products):
     """bfloat16 activations: computed in float32 from the exact weights, rounded once to bfloat16. Where the CPU has
@@ -225,10 +227,11 @@ def _routing(T: int, k: int, gen):
     return torch.tensor(used)[keys.topk(k, dim=-1).indices], torch.rand(T, k, generator=gen)
 
 
-# Tokens per expert (experts 0, 2, 3, 5): T = 1: 0-1, the direct path; 8: 2-4 on the direct path (avx2 and
-# portable: more than kTok, so one row at a time against all of them) and the hot expert's 5-6 (direct on avx2,
-# elsewhere rows dotted kTok tokens at a time); 16: 5-6, and 7-15, one token group across the lanes; 40: 10-37,
-# up to three groups; 400: 132-356, the hot expert's 22 groups in two passes of at most 16.
+# Tokens per expert (experts 0, 2, 3, 5): T = 1: 0-1, the direct path; 8: 2-4 on the direct path (more than kTok:
+# portable one row at a time against all of them, avx2 row pairs against all) and the hot expert's 5-6 (direct on
+# avx2, elsewhere rows dotted kTok tokens at a time); 16: 5-6, and 7-15, one token group across the lanes (avx2:
+# the direct path in passes of 3-5 tokens); 40: 10-37, up to three groups (avx2: 10-16 direct); 400: 132-356, the
+# hot expert's 22 groups in two passes of at most 16.
 @pytest.mark.parametrize("D,inter", [(256, 128), (320, 200), (320, 72)])
 @pytest.mark.parametrize("T", [1, 8, 16, 40, 400])
 def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
@@ -249,8 +252,9 @@ def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
 
 
 # Tokens per expert: T = 5: 0-4 (direct; one token: bfloat16 pairs too, float32 forms for float16); 8: 2-7 (direct,
-# one row alone past kTok; few-token path on portable; 7 across the lanes on avx2); 24: 6-21 (10 and 11 on bfloat16
-# pairs: direct in two passes; across the lanes elsewhere); 40: 13-37 (across the lanes). h is rounded to the
+# one row alone past kTok, avx2 row pairs; few-token path on portable); 24: 6-21 (10 and 11 on bfloat16 pairs:
+# direct in two passes; avx2 direct up to 16; across the lanes elsewhere); 40: 13-37 (across the lanes; avx2 13-16
+# direct). h is rounded to the
 # tokens' dtype (csrc/moe.cpp as_h); where the CPU has bfloat16 dot products both steps of bfloat16 tokens take
 # bfloat16 pairs on the direct and tile paths (float16 tokens keep the float32 forms). The intermediate size spans a
 # whole and a ragged column block of W2, and 4 x inter <= D for kernel_h.
