@@ -138,7 +138,8 @@ template <int R, int N, typename W, int A, bool kRowTokens = false>
 // a sum per half, a row pair against 3-4 tokens needs 12-16 of the 16 registers for its sums, so dot_block takes
 // one row at a time, and each row re-reads every token row (past the L1 from 2 tokens of 4,096 columns: ~2
 // weights a cycle on Zen 3); here both rows share each token load, and the two products of a group are a chain of
-// two fused multiply-adds per sum, so 6-8 sums keep both FMA units busy. ``ahead`` as in dot_block.
+// two fused multiply-adds per sum, so 6-10 sums keep both FMA units busy (12, at 6 tokens, spill: dot_rows goes
+// 3 + 3). ``ahead`` as in dot_block.
 constexpr int kPairTokens = 5;
 template <int N, int A>
 [[gnu::noinline]] void dot_pair_halves(const E4m3* const* rows, const E4m3* const* ahead, const float* const* xs,
@@ -211,7 +212,7 @@ inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const*
   if constexpr (std::is_same_v<W, E4m3>) {
     if (n > kTok) {
 #if GLM53_AVX2
-      // passes of nearly equal token counts (5: 3 + 2, 6: 3 + 3); the later ones find the rows in cache
+      // passes of nearly equal token counts (6: 3 + 3, 7: 3 + 4, 16: 4 x 4); the later ones find the rows in cache
       const int passes = static_cast<int>(ceil_div(n, kPairTokens));
       for (int p = 0, j0 = 0; p < passes; ++p) {
         const int g = (n - j0) / (passes - p);

@@ -259,7 +259,8 @@ inline __m256 e4m3_floats(__m256i both) {
 // constants: gemv.h's dot_pair_halves needs their registers.
 inline __m256 e4m3_floats8(const void* p) {
   const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int>(0x87FFFFFFu))));
+  const __m256i bits = _mm256_slli_epi32(v, 20);
+  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x87FFFFFFu))));
 }
 
 struct F16 {
