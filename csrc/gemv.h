@@ -172,11 +172,7 @@ template <int N, int A>
     }
   }
   for (int r = 0; r < 2; ++r)
-    for (int j = 0; j < N; ++j) {
-      const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s[r][j], 1), _mm256_castps256_ps128(s[r][j]));
-      const __m128 s2 = _mm_add_ps(s4, _mm_shuffle_ps(s4, s4, _MM_SHUFFLE(1, 0, 3, 2)));
-      acc[r][j] = (_mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1))) * kE4m3SumScale;
-    }
+    for (int j = 0; j < N; ++j) acc[r][j] = reduce_add8(s[r][j]) * kE4m3SumScale;
 }
 #endif
 

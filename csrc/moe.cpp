@@ -581,8 +581,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   // 1. h = clamped_swiglu(W13_e x): a task's rows lie in one gate row block and the same up row block.
   const std::vector<Task> up_tasks = expert_tasks(count, I);
   at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
-    // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row
-    std::vector<float> buf(2 * kE4m3DirectMaxTokens * D);
+    // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row (each
+    // part written before it is read: not zeroed, 512 KiB a thread and call at the release's size on avx2)
+    const std::unique_ptr<float[]> buf(new float[2 * kE4m3DirectMaxTokens * D]);
     std::vector<float> tile(pairs ? 0 : kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
     const TileBuffer<c10::BFloat16> tile16(
         pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
@@ -627,7 +628,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
 #endif
       if (c1 - c0 <= kE4m3DirectMaxTokens) {
         const int n = static_cast<int>(c1 - c0);
-        float* xg = buf.data();
+        float* xg = buf.get();
         float* xu = xg + kE4m3DirectMaxTokens * D;
         if (scaled_for != e * nbI + task.row0 / block_n) {
           for (int j = 0; j < n; ++j) {
@@ -668,7 +669,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       }
       if (c1 - c0 < kAcrossLanesMinTokens) {
         scaled_for = -1;  // buf now holds dequantized rows
-        float* rows_f[2] = {buf.data(), buf.data() + D};
+        float* rows_f[2] = {buf.get(), buf.get() + D};
         const float* rows[2] = {rows_f[0], rows_f[1]};
         const float* xs[kTok];
         for (int64_t r = task.row0; r < last; ++r) {
@@ -697,7 +698,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   // 2. y = W2_e h: a task's rows lie in one row block of W2.
   const std::vector<Task> down_tasks = expert_tasks(count, D);
   at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
-    std::vector<float> buf(std::max(kE4m3DirectMaxTokens, int64_t{2}) * I);  // direct: scaled h rows; few: two W2 rows
+    // direct: scaled h rows; few: two W2 rows (not zeroed, as in step 1)
+    const std::unique_ptr<float[]> buf(new float[std::max(kE4m3DirectMaxTokens, int64_t{2}) * I]);
     std::vector<float> tile(down_pairs ? 0 : kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
     const TileBuffer<c10::BFloat16> tile16(
         down_pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
@@ -737,10 +739,10 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       if (c1 - c0 <= kE4m3DirectMaxTokens) {
         const int n = static_cast<int>(c1 - c0);
         if (scaled_for != e * nbD + task.row0 / block_n) {
-          for (int j = 0; j < n; ++j) scale_by_blocks(hp + (c0 + j) * I, scale, I, block_k, buf.data() + j * I);
+          for (int j = 0; j < n; ++j) scale_by_blocks(hp + (c0 + j) * I, scale, I, block_k, buf.get() + j * I);
           scaled_for = e * nbD + task.row0 / block_n;
         }
-        for (int j = 0; j < n; ++j) hs[j] = buf.data() + j * I;
+        for (int j = 0; j < n; ++j) hs[j] = buf.get() + j * I;
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
           const E4m3* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
@@ -754,7 +756,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       }
       if (c1 - c0 < kAcrossLanesMinTokens) {
         scaled_for = -1;
-        float* rows_f[2] = {buf.data(), buf.data() + I};
+        float* rows_f[2] = {buf.get(), buf.get() + I};
         const float* rows[2] = {rows_f[0], rows_f[1]};
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));

@@ -359,12 +359,12 @@ inline F16 fma(F16 a, F16 b, F16 c) {  // a * b + c
 inline F16 vmax(F16 a, F16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline F16 relu(F16 a) { return vmax(a, zero()); }
 // The avx512 path's reduction tree (halves, then quarters, then pairs): both paths sum in the same order.
-inline float reduce_add(F16 a) {
-  const __m256 s8 = _mm256_add_ps(a.hi, a.lo);
+inline float reduce_add8(__m256 s8) {  // from the quarters on
   const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
   const __m128 s2 = _mm_add_ps(s4, _mm_shuffle_ps(s4, s4, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
 }
+inline float reduce_add(F16 a) { return reduce_add8(_mm256_add_ps(a.hi, a.lo)); }
 inline float reduce_max(F16 a) {
   const __m256 s8 = _mm256_max_ps(a.hi, a.lo);
   const __m128 s4 = _mm_max_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));

@@ -254,10 +254,9 @@ def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
 # Tokens per expert: T = 5: 0-4 (direct; one token: bfloat16 pairs too, float32 forms for float16); 8: 2-7 (direct,
 # one row alone past kTok, avx2 row pairs; few-token path on portable); 24: 6-21 (10 and 11 on bfloat16 pairs:
 # direct in two passes; avx2 direct up to 16; across the lanes elsewhere); 40: 13-37 (across the lanes; avx2 13-16
-# direct). h is rounded to the
-# tokens' dtype (csrc/moe.cpp as_h); where the CPU has bfloat16 dot products both steps of bfloat16 tokens take
-# bfloat16 pairs on the direct and tile paths (float16 tokens keep the float32 forms). The intermediate size spans a
-# whole and a ragged column block of W2, and 4 x inter <= D for kernel_h.
+# direct). h is rounded to the tokens' dtype (csrc/moe.cpp as_h); where the CPU has bfloat16 dot products both steps
+# of bfloat16 tokens take bfloat16 pairs on the direct and tile paths (float16 tokens keep the float32 forms). The
+# intermediate size spans a whole and a ragged column block of W2, and 4 x inter <= D for kernel_h.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T", [5, 8, 24, 40])
 def test_fp8_experts_16bit_tokens(T, dtype, bf16_products):
