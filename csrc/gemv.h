@@ -185,12 +185,15 @@ inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> cons
   dot_block<R, N>(rows, ahead, xs, len, acc);
 }
 
-// Tokens up to which block-FP8 products take the direct path. avx2: a token group's 16, up to which the tile path
-// costs the same for any count (its lanes past the tokens multiply zeros), in passes of at most kPairTokens
-// (dot_pair_halves). AMD Zen 3, released sizes (fp8_linear 12288 x 4096, 4 experts with as many tokens each),
-// caches flushed, 2 threads, the tile path's time / the direct path's: 2.0x at 8 tokens, 1.7x at 10, 1.2-1.5x at
-// 12, 1.1-1.3x at 13-15, 1.1x at 16 (benchmarks/README.md).
-constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 16 : kDirectMaxTokens;
+// Tokens up to which block-FP8 products take the direct path. avx2: 24, in passes of at most kPairTokens
+// (dot_pair_halves). The tile path costs the same for any count up to a token group's 16 (its lanes past the tokens
+// multiply zeros) and again for 17-32, the direct path grows with the tokens. AMD Zen 3, released sizes
+// (fp8_linear 12288 x 4096, 4 experts with as many tokens each), caches flushed, 2 threads, the tile path's time /
+// the direct path's: 2.0x at 8 tokens, 1.7x at 10, 1.2-1.5x at 12, 1.1-1.3x at 13-15, 1.1x at 16, 1.65-1.74x at
+// 17, 1.2-1.6x at 20-24, 1.05-1.13x at 26-28, 0.9-1.0x at 32 (benchmarks/README.md). 25-31 are left to the tile
+// path: the direct path's margin there is a few percent on Zen 3, and its widening takes the shuffle unit, which
+// Intel cores have one of.
+constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 24 : kDirectMaxTokens;
 
 // 1 or 2 rows (``nr``) against ``n`` tokens, kTok at a time; acc[r][j] for j < n (n <= kDirectMaxTokens,
 // kE4m3DirectMaxTokens for E4M3 rows). ``ahead`` is prefetched during the first group only (the later groups find
@@ -256,8 +259,8 @@ constexpr int64_t kColumnChunk = 256;  // columns widened per step: kRowTile row
 // would multiply zeros: there each row, dequantized into L1, is dotted with kTok tokens at a time (dot_tokens).
 // One FP8 expert of GLM-5.3-Flash's size, AVX2 (Zen 5), 2 threads, two runs: one token group across the lanes
 // 7.0-7.2 ms (9 and 12 tokens; the same for any count up to 16), the dot products 5.8-6.0 (5 tokens), 6.6-7.0 (6),
-// 7.4-7.8 (7), 8.3-8.5 (8). The avx2 build's FP8 experts have since taken the direct path up to 16 tokens
-// (kE4m3DirectMaxTokens), which starts the tile path for them at 17.
+// 7.4-7.8 (7), 8.3-8.5 (8). The avx2 build's FP8 experts have since taken the direct path up to 24 tokens
+// (kE4m3DirectMaxTokens), which starts the tile path for them at 25.
 constexpr int64_t kAcrossLanesMinTokens = 7;
 // Token groups per pass over a block of rows (moe.cpp, which may give one expert a whole prefill's tokens): each
 // row tile reads the pass's token groups once, 4 MiB at K = 4,096 for 16 groups (256 tokens, where linear.cpp's
