@@ -242,6 +242,25 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
       }
     }
 #endif
+#if GLM53_AVX2
+    // Block-FP8 rows against one token: the token in quad order, each column block's sums times its scale
+    // (gemv.h's dot_quads).
+    if constexpr (std::is_same_v<W, E4m3>) {
+      if (M == 1 && quads_fit(rows.column_block())) {
+        std::vector<float> xq(quad_len(K));
+        quad_order(xp, K, xq.data());
+        row_pairs([&] {
+          return [&](const RowTask& task, const W* const* pair, const W* const* next, int, Acc& acc) {
+            const float* scale_rows[2] = {rows.scale_row(task), rows.scale_row(task)};
+            float out[2];
+            dot_quads(pair, next, xq.data(), scale_rows, K, rows.column_block(), out);
+            acc[0][0] = out[0], acc[1][0] = out[1];
+          };
+        });
+        return;
+      }
+    }
+#endif
     row_pairs([&] {
       // consecutive tasks of a thread mostly share a row block: scale the tokens once per block
       return [&, xs_buf = std::vector<float>(scaled_tokens ? M * K : 0), prepared_for = int64_t{-1}](

@@ -589,6 +589,11 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
     float sums[2][kPairsDirectMaxTokens];  // the direct path's
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
+#if GLM53_AVX2
+    const bool quads = quads_fit(block_k);  // one token: gemv.h's dot_quads, the token in quad order (xq)
+    const std::unique_ptr<float[]> xq(new float[quads ? quad_len(D) : 0]);
+    int64_t quad_for = -1;  // the token xq holds
+#endif
     for (; b < end; ++b) {
       const Task& task = up_tasks[b];
       const int64_t e = task.expert, c0 = start[e], c1 = start[e + 1], last = task.row0 + task.rows;
@@ -623,6 +628,21 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         };
         if (down_pairs) tile_rows(h_pairs(lanes.h_pairs_of(e, h_order.len), h_order.len, h_at.data()));
         else tile_rows(h_lanes(lanes.h_of(e, I), I, g.h_type));
+        continue;
+      }
+#endif
+#if GLM53_AVX2
+      if (c1 - c0 == 1 && quads) {  // the gate and up rows share the token, each row block's scales on its sums
+        if (quad_for != token_at[c0]) quad_order(xp + token_at[c0] * D, D, xq.get()), quad_for = token_at[c0];
+        const float* scale_rows[2] = {gate_scale, up_scale};
+        for (int64_t r = task.row0; r < last; ++r) {
+          const int64_t rn = std::min(r + ahead, I - 1);
+          const E4m3* rows[2] = {row(false, r), row(true, r)};
+          const E4m3* next[2] = {row(false, rn), row(true, rn)};
+          float gu[2];
+          dot_quads(rows, next, xq.get(), scale_rows, D, block_k, gu);
+          put_h(c0, r, clamped_swiglu(gu[0], gu[1], limit));
+        }
         continue;
       }
 #endif
@@ -706,6 +726,11 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     float acc_direct[2][kPairsDirectMaxTokens];
     const float* hs[kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;
+#if GLM53_AVX2
+    const bool quads = quads_fit(block_k);  // one token: dot_quads, as in step 1
+    const std::unique_ptr<float[]> hq(new float[quads ? quad_len(I) : 0]);
+    int64_t quad_for = -1;  // the (token, choice) pair whose h row hq holds
+#endif
     for (; b < end; ++b) {
       const Task& task = down_tasks[b];
       const int64_t e = task.expert, c0 = start[e], c1 = start[e + 1], last = task.row0 + task.rows;
@@ -733,6 +758,22 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
             task.row0, last, bytes, 1,
             [&](int64_t r, int64_t k0, int64_t n, c10::BFloat16* out) { e4m3_unpacked(we + r * s2r + k0, n, out); },
             scale, lanes.h_pairs_of(e, h_order.len), c1 - c0, I, D, block_k, yp + c0 * D, tile16.data(), acc.data());
+        continue;
+      }
+#endif
+#if GLM53_AVX2
+      if (c1 - c0 == 1 && quads) {
+        if (quad_for != c0) quad_order(hp + c0 * I, I, hq.get()), quad_for = c0;
+        const float* scale_rows[2] = {scale, scale};
+        for (int64_t r = task.row0; r < last; r += 2) {
+          const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
+          const E4m3* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
+          const int64_t rn = std::min(r + down_ahead, D - 2);
+          const E4m3* next[2] = {we + rn * s2r, we + (rn + 1) * s2r};
+          float y2[2];
+          dot_quads(rows, rn >= 0 ? next : nullptr, hq.get(), scale_rows, I, block_k, y2);
+          for (int i = 0; i < nr; ++i) yp[c0 * D + r + i] = y2[i];
+        }
         continue;
       }
 #endif
