@@ -8,9 +8,10 @@
 // Block FP8 (weight[n, k] = float(e4m3[n, k]) * scale[n / bn, k / bk]) is computed two ways:
 //   direct  for a few tokens: the token rows are multiplied by one row block's scales (scale_by_blocks), then
 //           dotted with the E4M3 rows as they stream in (vec.h's E4M3 load), so every weight byte is read once
-//           and converted once (dot_rows); nothing is written but the results. bfloat16 tokens on a CPU with
-//           bfloat16 dot products: the token rows as they are (in unpack order) against the E4M3 values as
-//           bfloat16, each column block's sums times its scale (dot_rows_pairs).
+//           and converted once (dot_rows); nothing is written but the results. avx2, one token: the token row in
+//           the order 32 widened bytes come out in, each column block's sums times its scale (dot_quads). bfloat16
+//           tokens on a CPU with bfloat16 dot products: the token rows as they are (in unpack order) against the
+//           E4M3 values as bfloat16, each column block's sums times its scale (dot_rows_pairs).
 //   tile    for more tokens: the tokens lie across the vector lanes and a few rows at a time, dequantized a chunk
 //           of columns at a time into an L1-resident float32 buffer (dequantize_row), are broadcast against
 //           them (rows_by_tokens, below), so the conversion is paid once per weight value and pass. bfloat16

@@ -25,7 +25,8 @@
 //
 // moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes. Below kAcrossLanesMinTokens
 // it has two forms: at most kE4m3DirectMaxTokens tokens, the direct path (tokens pre-multiplied by the row block's
-// scales, E4M3 rows converted as they stream; on avx2 up to 24 tokens, with bfloat16 pairs in both steps up to
+// scales, E4M3 rows converted as they stream; on avx2 up to 24 tokens, one token with the scales on the sums
+// instead (gemv.h's dot_quads: a gate row and its up row share the token), with bfloat16 pairs in both steps up to
 // kPairsDirectMaxTokens, past kAcrossLanesMinTokens too); more (only where the direct path stops below
 // kAcrossLanesMinTokens: the portable build's 5-6 tokens), each row dequantized into L1 and dotted with kTok tokens
 // at a time. The tile path dequantizes its rows. It serves every batch size, prefill included: there is no

@@ -152,8 +152,10 @@ def test_fp8_linear_in_bfloat16(parts, K, M, bf16_products):
 
 # Block sizes other than the release's 128 x 128 (the ops take any multiple of 16): column blocks that leave the
 # bfloat16 pairs' 64-column groups partly empty (48: one short group a block; 80: a full group and a short one,
-# zero-padded in the tokens' unpack order, csrc/gemv.h), on the direct paths (1, 3, 11 tokens) and the tile path.
-@pytest.mark.parametrize("block", [(32, 48), (48, 80)])
+# zero-padded in the tokens' unpack order, csrc/gemv.h), on the direct paths (1, 3, 11 tokens) and the tile path;
+# 32: avx2's one-token form (dot_quads) with one 32-column group a block (48 and 80 are not whole groups of 32: the
+# scaled-token form there).
+@pytest.mark.parametrize("block", [(32, 48), (48, 80), (16, 32)])
 @pytest.mark.parametrize("M", [1, 3, 11, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_fp8_linear_other_block_sizes(block, M, dtype, bf16_products):
