@@ -201,10 +201,11 @@ inline void quad_order(const float* x, int64_t len, float* out) {
       out[g0 + kSlot[q & 3] * 8 + q / 4] = g0 + q < len ? x[g0 + q] * kE4m3TokenScale : 0.0f;
 }
 
-// out[r] = sum over column blocks kb of scale_rows[r][kb] * dot(rows[r], x) over the block, for 2 rows of len
+// acc[r][0] = sum over column blocks kb of scale_rows[r][kb] * dot(rows[r], x) over the block, for 2 rows of len
 // E4M3 bytes (block_k a multiple of kQuad: quads_fit) and one token xq in quad_order. ``ahead`` as in dot_block.
-[[gnu::noinline]] inline void dot_quads(const E4m3* const* rows, const E4m3* const* ahead, const float* xq,
-                                        const float* const* scale_rows, int64_t len, int64_t bk, float* out) {
+template <int A>
+[[gnu::noinline]] void dot_quads(const E4m3* const* rows, const E4m3* const* ahead, const float* xq,
+                                 const float* const* scale_rows, int64_t len, int64_t bk, float (*acc)[A]) {
   const __m256i mask = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
   __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   // the four vectors of 32 bytes v[r] against the token's 32 values at x, into the block's sums p[r][0..1]
@@ -244,7 +245,7 @@ inline void quad_order(const float* x, int64_t len, float* out) {
     for (int r = 0; r < 2; ++r)
       total[r] = _mm256_fmadd_ps(_mm256_add_ps(p[r][0], p[r][1]), _mm256_set1_ps(scale_rows[r][kb]), total[r]);
   }
-  for (int r = 0; r < 2; ++r) out[r] = reduce_add8(total[r]) * kE4m3SumScale;
+  for (int r = 0; r < 2; ++r) acc[r][0] = reduce_add8(total[r]) * kE4m3SumScale;
 }
 #endif
 

@@ -252,9 +252,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
         row_pairs([&] {
           return [&](const RowTask& task, const W* const* pair, const W* const* next, int, Acc& acc) {
             const float* scale_rows[2] = {rows.scale_row(task), rows.scale_row(task)};
-            float out[2];
-            dot_quads(pair, next, xq.data(), scale_rows, K, rows.column_block(), out);
-            acc[0][0] = out[0], acc[1][0] = out[1];
+            dot_quads(pair, next, xq.data(), scale_rows, K, rows.column_block(), acc);
           };
         });
         return;

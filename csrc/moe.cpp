@@ -583,7 +583,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   const std::vector<Task> up_tasks = expert_tasks(count, I);
   at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
     // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row (each
-    // part written before it is read: not zeroed, 512 KiB a thread and call at the release's size on avx2)
+    // part written before it is read: not zeroed, 768 KiB a thread and call at the release's size on avx2)
     const std::unique_ptr<float[]> buf(new float[2 * kE4m3DirectMaxTokens * D]);
     std::vector<float> tile(pairs ? 0 : kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
     const TileBuffer<c10::BFloat16> tile16(
@@ -603,18 +603,25 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const float* up_scale = gate_scale + nbI * kbD;
       const auto row = [&](bool up, int64_t r) { return we + ((up ? I : 0) + r) * s13r; };
       const auto bytes = [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); };
+      // The task's rows, a gate row and its up row at a time, against the expert's n tokens: dot(rows, next) fills
+      // sums[0..1][0, n) (``next``: the pair to prefetch meanwhile).
+      const auto gate_up_rows = [&](int n, const auto& dot) {
+        for (int64_t r = task.row0; r < last; ++r) {
+          const int64_t rn = std::min(r + ahead, I - 1);
+          const E4m3* rows[2] = {row(false, r), row(true, r)};
+          const E4m3* next[2] = {row(false, rn), row(true, rn)};
+          dot(rows, next);
+          for (int j = 0; j < n; ++j) put_h(c0 + j, r, clamped_swiglu(sums[0][j], sums[1][j], limit));
+        }
+      };
 #if GLM53_AVX512
       if (pairs && c1 - c0 <= direct_max) {
         const int n = static_cast<int>(c1 - c0);
         const c10::BFloat16* xs[kPairsDirectMaxTokens];
         for (int j = 0; j < n; ++j) xs[j] = xop + xo_row[token_at[c0 + j]] * x_order.len;
-        for (int64_t r = task.row0; r < last; ++r) {
-          const int64_t rn = std::min(r + ahead, I - 1);
-          const E4m3* rows[2] = {row(false, r), row(true, r)};
-          const E4m3* next[2] = {row(false, rn), row(true, rn)};
+        gate_up_rows(n, [&](const E4m3* const* rows, const E4m3* const* next) {
           dot_rows_pairs(rows, next, 2, xs, n, gate_scale, up_scale - gate_scale, D, block_k, sums);
-          for (int j = 0; j < n; ++j) put_h(c0 + j, r, clamped_swiglu(sums[0][j], sums[1][j], limit));
-        }
+        });
         continue;
       }
       if (pairs && lanes.groups(e) > 0) {  // the experts tile_tokens laid out
@@ -636,14 +643,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       if (c1 - c0 == 1 && quads) {  // the gate and up rows share the token, each row block's scales on its sums
         if (quad_for != token_at[c0]) quad_order(xp + token_at[c0] * D, D, xq.get()), quad_for = token_at[c0];
         const float* scale_rows[2] = {gate_scale, up_scale};
-        for (int64_t r = task.row0; r < last; ++r) {
-          const int64_t rn = std::min(r + ahead, I - 1);
-          const E4m3* rows[2] = {row(false, r), row(true, r)};
-          const E4m3* next[2] = {row(false, rn), row(true, rn)};
-          float gu[2];
-          dot_quads(rows, next, xq.get(), scale_rows, D, block_k, gu);
-          put_h(c0, r, clamped_swiglu(gu[0], gu[1], limit));
-        }
+        gate_up_rows(1, [&](const E4m3* const* rows, const E4m3* const* next) {
+          dot_quads(rows, next, xq.get(), scale_rows, D, block_k, sums);
+        });
         continue;
       }
 #endif
@@ -660,13 +662,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         }
         if (n == 1) {  // a gate row and its up row at a time, each against its own scaled token (see below)
           const float* xs[1] = {xg};
-          for (int64_t r = task.row0; r < last; ++r) {
-            const int64_t rn = std::min(r + ahead, I - 1);
-            const E4m3* rows[2] = {row(false, r), row(true, r)};
-            const E4m3* next[2] = {row(false, rn), row(true, rn)};
+          gate_up_rows(1, [&](const E4m3* const* rows, const E4m3* const* next) {
             dot_block<2, 1, E4m3, kPairsDirectMaxTokens, true>(rows, next, xs, D, sums, xu - xg);
-            put_h(c0, r, clamped_swiglu(sums[0][0], sums[1][0], limit));
-          }
+          });
           continue;
         }
         // More tokens: a gate row pair, then its up rows, each token load serving two rows (with a token of its own
@@ -738,20 +736,27 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const E4m3* we = w2p + e * s2e;
       const float* scale = s2p + (e * nbD + task.row0 / block_n) * kbI;
       const auto bytes = [&](int64_t r) { return reinterpret_cast<const char*>(we + r * s2r); };
-#if GLM53_AVX512
-      if (down_pairs && c1 - c0 <= direct_max) {
-        const int n = static_cast<int>(c1 - c0);
-        const c10::BFloat16* hs16[kPairsDirectMaxTokens];
-        for (int j = 0; j < n; ++j) hs16[j] = hbp + (c0 + j) * h_order.len;
+      // The task's rows two at a time against the expert's n tokens: dot(rows, next, nr) fills
+      // acc_direct[0, nr)[0, n) (``next``: the pair to prefetch meanwhile, or null).
+      const auto row_pairs = [&](int n, const auto& dot) {
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
           const E4m3* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
           const int64_t rn = std::min(r + down_ahead, D - 2);
           const E4m3* next[2] = {we + rn * s2r, we + (rn + 1) * s2r};
-          dot_rows_pairs(rows, rn >= 0 ? next : nullptr, nr, hs16, n, scale, 0, I, block_k, acc_direct);
+          dot(rows, rn >= 0 ? next : nullptr, nr);
           for (int j = 0; j < n; ++j)
             for (int i = 0; i < nr; ++i) yp[(c0 + j) * D + r + i] = acc_direct[i][j];
         }
+      };
+#if GLM53_AVX512
+      if (down_pairs && c1 - c0 <= direct_max) {
+        const int n = static_cast<int>(c1 - c0);
+        const c10::BFloat16* hs16[kPairsDirectMaxTokens];
+        for (int j = 0; j < n; ++j) hs16[j] = hbp + (c0 + j) * h_order.len;
+        row_pairs(n, [&](const E4m3* const* rows, const E4m3* const* next, int nr) {
+          dot_rows_pairs(rows, next, nr, hs16, n, scale, 0, I, block_k, acc_direct);
+        });
         continue;
       }
       if (down_pairs && lanes.groups(e) > 0) {  // the experts tile_tokens laid out: past direct_max tokens
@@ -766,15 +771,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       if (c1 - c0 == 1 && quads) {
         if (quad_for != c0) quad_order(hp + c0 * I, I, hq.get()), quad_for = c0;
         const float* scale_rows[2] = {scale, scale};
-        for (int64_t r = task.row0; r < last; r += 2) {
-          const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
-          const E4m3* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
-          const int64_t rn = std::min(r + down_ahead, D - 2);
-          const E4m3* next[2] = {we + rn * s2r, we + (rn + 1) * s2r};
-          float y2[2];
-          dot_quads(rows, rn >= 0 ? next : nullptr, hq.get(), scale_rows, I, block_k, y2);
-          for (int i = 0; i < nr; ++i) yp[c0 * D + r + i] = y2[i];
-        }
+        row_pairs(1, [&](const E4m3* const* rows, const E4m3* const* next, int) {
+          dot_quads(rows, next, hq.get(), scale_rows, I, block_k, acc_direct);
+        });
         continue;
       }
 #endif
@@ -785,15 +784,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           scaled_for = e * nbD + task.row0 / block_n;
         }
         for (int j = 0; j < n; ++j) hs[j] = buf.get() + j * I;
-        for (int64_t r = task.row0; r < last; r += 2) {
-          const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
-          const E4m3* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
-          const int64_t rn = std::min(r + down_ahead, D - 2);
-          const E4m3* next[2] = {we + rn * s2r, we + (rn + 1) * s2r};
-          dot_rows(rows, rn >= 0 ? next : nullptr, nr, hs, n, I, acc_direct);
-          for (int j = 0; j < n; ++j)
-            for (int i = 0; i < nr; ++i) yp[(c0 + j) * D + r + i] = acc_direct[i][j];
-        }
+        row_pairs(n, [&](const E4m3* const* rows, const E4m3* const* next, int nr) {
+          dot_rows(rows, next, nr, hs, n, I, acc_direct);
+        });
         continue;
       }
       if (c1 - c0 < kAcrossLanesMinTokens) {
