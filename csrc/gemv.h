@@ -135,93 +135,135 @@ template <int R, int N, typename W, int A, bool kRowTokens = false>
 }
 
 #if GLM53_AVX2
-// avx2, E4M3 rows: acc[r][j] = dot(rows[r], xs[j]) for a row pair against N tokens, N <= kPairTokens, each sum
-// one 8-lane vector over both halves of every 16-column group (eight partial sums, not dot_block's sixteen). With
-// a sum per half, a row pair against 3-4 tokens needs 12-16 of the 16 registers for its sums, so dot_block takes
-// one row at a time, and each row re-reads every token row (past the L1 from 2 tokens of 4,096 columns: ~2
-// weights a cycle on Zen 3); here both rows share each token load, and the two products of a group are a chain of
-// two fused multiply-adds per sum, so 6-10 sums keep both FMA units busy (12, at 6 tokens, spill: dot_rows goes
-// 3 + 3). ``ahead`` as in dot_block.
-constexpr int kPairTokens = 5;
-template <int N, int A>
-[[gnu::noinline]] void dot_pair_halves(const E4m3* const* rows, const E4m3* const* ahead, const float* const* xs,
-                                       int64_t len, float (*acc)[A]) {
-  static_assert(N <= kPairTokens && N <= A);
-  __m256 s[2][N];
-  for (int r = 0; r < 2; ++r)
-    for (int j = 0; j < N; ++j) s[r][j] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + kLanes <= len; i += kLanes) {
-    if (ahead != nullptr)
-      for (int r = 0; r < 2; ++r) __builtin_prefetch(ahead[r] + i);
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const __m256 w0 = e4m3_floats8(rows[0] + i + 8 * h), w1 = e4m3_floats8(rows[1] + i + 8 * h);
-      for (int j = 0; j < N; ++j) {
-        __m256 x = _mm256_loadu_ps(xs[j] + i + 8 * h);
-        asm("" : "+x"(x));  // one load for both rows (GCC would fold it into each fused multiply-add)
-        s[0][j] = _mm256_fmadd_ps(w0, x, s[0][j]);
-        s[1][j] = _mm256_fmadd_ps(w1, x, s[1][j]);
-      }
-    }
-  }
-  if (i < len) {  // a partial group: vec.h's loads, zero past the end
-    const int m = static_cast<int>(len - i);
-    const F16 w[2] = {load(rows[0] + i, m), load(rows[1] + i, m)};
-    for (int j = 0; j < N; ++j) {
-      const F16 x = load(xs[j] + i, m);
-      for (int r = 0; r < 2; ++r) s[r][j] = _mm256_fmadd_ps(w[r].hi, x.hi, _mm256_fmadd_ps(w[r].lo, x.lo, s[r][j]));
-    }
-  }
-  for (int r = 0; r < 2; ++r)
-    for (int j = 0; j < N; ++j) acc[r][j] = reduce_add8(s[r][j]) * kE4m3SumScale;
-}
-
-// avx2, one token: a row pair against one token row that both rows share, each row's sums per column block times
-// its own block scale. 32 E4M3 bytes widen to four 8-float vectors with 16-bit shifts alone: an arithmetic shift
-// right by 4 puts the top byte of each 16-bit half where float32 has its exponent and mantissa (with copies of the
-// sign above, masked as in vec.h's e4m3_floats), a shift of the 32-bit lanes by 16 brings the low half's up, and
-// the same after a 16-bit shift left by 8 gives the other two bytes: 5 shifts and 4 ANDs a 32 bytes, against 8
-// shuffles and shifts and 4 ANDs for dot_block's widening, whose shuffle and shift units bound it. Lane i of the
-// vectors holds columns 4i + 3, 4i + 1, 4i + 2 and 4i of the group, so the token row is laid out in that order
-// (quad_order). With the token shared, the gate and up rows of an expert read one token row, not a scaled copy
-// each (the scales go on the column blocks' sums). A standalone loop on Zen 3, a row pair against one token from
-// memory: 4.9-5.3 weights a cycle against 3.5-4.1 for dot_block with a scaled token row per row.
+// avx2, E4M3 rows, 32 bytes at a time: the bytes widen to four 8-float vectors with 16-bit shifts alone. An
+// arithmetic shift right by 4 puts the top byte of each 16-bit half where float32 has its exponent and mantissa
+// (with copies of the sign above, masked as in vec.h's e4m3_floats), a shift of the 32-bit lanes by 16 brings the
+// low half's up, and the same after a 16-bit shift left by 8 gives the other two bytes: 5 shifts and 4 ANDs a 32
+// bytes, against 8 shuffles and shifts and 4 ANDs for vec.h's E4M3 load, whose shuffle and shift units bound the
+// direct path. Lane i of vector k holds column 4i + {3, 1, 2, 0}[k] of the group, so the tokens are laid out in
+// that order ("quad order": quad_order, scale_by_blocks). Zen 3, a row pair from memory, one core: 4.9-5.3
+// weights a cycle against one token (against 3.5-4.1 with the shuffles), 4.4-4.6 against two (3.8-3.9), 3.4-3.6
+// against three (3.0-3.2), 2.8-3.0 against four (2.2-2.8), level at five (benchmarks/README.md).
 constexpr int64_t kQuad = 32;  // columns a load widens
 inline int64_t quad_len(int64_t len) { return ceil_div(len, kQuad) * kQuad; }
 // Whether dot_quads takes column blocks of bk columns (whole groups of kQuad).
 inline bool quads_fit(int64_t bk) { return bk % kQuad == 0; }
 
-// out[quad_len(len)]: x[0, len) times kE4m3TokenScale (E4M3 rows read as value * kE4m3Unit, see the top) in the
-// order dot_quads widens the columns of each 32-column group, zero past len.
-inline void quad_order(const float* x, int64_t len, float* out) {
-  constexpr int kSlot[4] = {3, 1, 2, 0};  // byte k of a 32-bit lane: the vector it widens to
-  for (int64_t g0 = 0; g0 < len; g0 += kQuad)
-    for (int q = 0; q < kQuad; ++q)
-      out[g0 + kSlot[q & 3] * 8 + q / 4] = g0 + q < len ? x[g0 + q] * kE4m3TokenScale : 0.0f;
+// The two 16-bit-shifted forms of 32 E4M3 bytes v that quad_floats masks: [0] bytes 3 and 1 at the tops of the
+// 16-bit halves, [1] bytes 2 and 0.
+[[gnu::always_inline]] inline void quad_halves(__m256i v, __m256i (&half)[2]) {
+  half[0] = _mm256_srai_epi16(v, 4);
+  half[1] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4);
+}
+// Vector k (0..3; a constant after unrolling) of the group as float32 bits times kE4m3Unit.
+[[gnu::always_inline]] inline __m256 quad_floats(const __m256i (&half)[2], int k) {
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
+  const __m256i h = k % 2 == 0 ? half[k / 2] : _mm256_slli_epi32(half[k / 2], 16);
+  return _mm256_castsi256_ps(_mm256_and_si256(h, mask));
+}
+
+// out[quad_len(len)]: x[i] times kE4m3TokenScale and, with a scale_row, times scale_row[i / bk] (bk a multiple of
+// kQuad / 2), in quad order, zero past len. Each 32 columns go through the 4 x 4 transposes of two 128-bit lanes:
+// loaded as (columns 4m .. 4m + 3 | 16 + 4m .. 16 + 4m + 3), m = 0..3, the transposed rows are the columns
+// 4i + c of the group in lane i.
+inline void quad_order(const float* x, int64_t len, float* out, const float* scale_row = nullptr, int64_t bk = 0) {
+  for (int64_t g0 = 0; g0 < len; g0 += kQuad) {
+    const float* xg = x + g0;
+    alignas(32) float part[kQuad];
+    if (g0 + kQuad > len) {  // the ragged end: copied into zeros
+      std::fill(part, part + kQuad, 0.0f);
+      std::memcpy(part, xg, sizeof(float) * (len - g0));
+      xg = part;
+    }
+    const auto scale_at = [&](int64_t i) {
+      return kE4m3TokenScale * (scale_row != nullptr ? scale_row[std::min(i, len - 1) / bk] : 1.0f);
+    };
+    const __m256 s = _mm256_setr_m128(_mm_set1_ps(scale_at(g0)), _mm_set1_ps(scale_at(g0 + kQuad / 2)));
+    __m256 a[4];
+    for (int m = 0; m < 4; ++m)
+      a[m] = _mm256_mul_ps(_mm256_loadu2_m128(xg + kQuad / 2 + 4 * m, xg + 4 * m), s);
+    const __m256 t0 = _mm256_unpacklo_ps(a[0], a[1]), t1 = _mm256_unpackhi_ps(a[0], a[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(a[2], a[3]), t3 = _mm256_unpackhi_ps(a[2], a[3]);
+    // column offset c of each group of 4 to vector {3, 1, 2, 0}[c]
+    _mm256_storeu_ps(out + g0 + 24, _mm256_shuffle_ps(t0, t2, 0x44));
+    _mm256_storeu_ps(out + g0 + 8, _mm256_shuffle_ps(t0, t2, 0xEE));
+    _mm256_storeu_ps(out + g0 + 16, _mm256_shuffle_ps(t1, t3, 0x44));
+    _mm256_storeu_ps(out + g0, _mm256_shuffle_ps(t1, t3, 0xEE));
+  }
+}
+
+// acc[r][j] = dot(rows[r], xs[j]) for a row pair of len E4M3 bytes against N tokens in quad order (quad_len(len)
+// values, zero past len), both rows sharing each token load; kRowTokens: N = 1 and row r's token at
+// xs[0] + r * row_step instead. A (row, token) sum takes C vectors (one chain of multiply-adds each): 8 chains at
+// one and two tokens (fewer leave Zen 3's two FMA units waiting on the 4-cycle latency), and one a (row, token)
+// from three (6-10 chains: 12 spill; three tokens measured faster with 6 than with 12). ``ahead`` as in dot_block.
+template <int N, int A, bool kRowTokens = false>
+[[gnu::noinline]] void dot_quad_rows(const E4m3* const* rows, const E4m3* const* ahead, const float* const* xs,
+                                     int64_t len, float (*acc)[A], int64_t row_step = 0) {
+  static_assert(N <= A && (!kRowTokens || N == 1));
+  constexpr int C = N == 1 ? 4 : N == 2 ? 2 : 1;
+  __m256 s[C][2][N];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < 2; ++r)
+      for (int j = 0; j < N; ++j) s[c][r][j] = _mm256_setzero_ps();
+  // the 32 bytes v[r] of each row against the tokens' columns [i, i + 32)
+  const auto group = [&](const __m256i* v, int64_t i) __attribute__((always_inline)) {
+    __m256i half[2][2];
+    for (int r = 0; r < 2; ++r) quad_halves(v[r], half[r]);
+    for (int k = 0; k < 4; ++k) {
+      const __m256 w[2] = {quad_floats(half[0], k), quad_floats(half[1], k)};
+      for (int j = 0; j < N; ++j) {
+        if constexpr (kRowTokens) {
+          for (int r = 0; r < 2; ++r)
+            s[k % C][r][j] = _mm256_fmadd_ps(w[r], _mm256_loadu_ps(xs[j] + r * row_step + i + 8 * k), s[k % C][r][j]);
+        } else {
+          __m256 x = _mm256_loadu_ps(xs[j] + i + 8 * k);
+          asm("" : "+x"(x));  // one load for both rows (GCC would fold it into each fused multiply-add)
+          for (int r = 0; r < 2; ++r) s[k % C][r][j] = _mm256_fmadd_ps(w[r], x, s[k % C][r][j]);
+        }
+      }
+    }
+  };
+  int64_t i = 0;
+  for (; i + kQuad <= len; i += kQuad) {
+    if (ahead != nullptr)
+      for (int r = 0; r < 2; ++r) __builtin_prefetch(ahead[r] + i);
+    const __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + i)),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[1] + i))};
+    group(v, i);
+  }
+  if (i < len) {  // the rows' ragged end: copied into zeros
+    alignas(32) uint8_t tail[2][kQuad] = {};
+    for (int r = 0; r < 2; ++r) std::memcpy(tail[r], rows[r] + i, len - i);
+    const __m256i v[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(tail[0])),
+                          _mm256_load_si256(reinterpret_cast<const __m256i*>(tail[1]))};
+    group(v, i);
+  }
+  for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < N; ++j) {
+      __m256 sum = s[0][r][j];
+      for (int c = 1; c < C; ++c) sum = _mm256_add_ps(sum, s[c][r][j]);
+      acc[r][j] = reduce_add8(sum) * kE4m3SumScale;
+    }
 }
 
 // acc[r][0] = sum over column blocks kb of scale_rows[r][kb] * dot(rows[r], x) over the block, for 2 rows of len
-// E4M3 bytes (block_k a multiple of kQuad: quads_fit) and one token xq in quad_order. ``ahead`` as in dot_block.
+// E4M3 bytes (block_k a multiple of kQuad: quads_fit) and one token xq in quad order, unscaled (quad_order without
+// a scale row): a gate row and its up row share the token, the scales go on the column blocks' sums. A standalone
+// loop on Zen 3, a row pair against one token from memory: 4.9-5.3 weights a cycle against 3.5-4.1 for dot_block
+// with a scaled token row per row. ``ahead`` as in dot_block.
 template <int A>
 [[gnu::noinline]] void dot_quads(const E4m3* const* rows, const E4m3* const* ahead, const float* xq,
                                  const float* const* scale_rows, int64_t len, int64_t bk, float (*acc)[A]) {
-  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
   __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  // the four vectors of 32 bytes v[r] against the token's 32 values at x, into the block's sums p[r][0..1]
+  // the 32 bytes v[r] of each row against the token's 32 values at x, into the block's sums p[r][0..1]
   const auto group = [&](const __m256i* v, const float* x, __m256 (*p)[2]) __attribute__((always_inline)) {
-    __m256i half[2][2];  // [r][0]: bytes 3 and 1 at the tops of the 16-bit halves, [r][1]: bytes 2 and 0
-    for (int r = 0; r < 2; ++r) {
-      half[r][0] = _mm256_srai_epi16(v[r], 4);
-      half[r][1] = _mm256_srai_epi16(_mm256_slli_epi16(v[r], 8), 4);
-    }
+    __m256i half[2][2];
+    for (int r = 0; r < 2; ++r) quad_halves(v[r], half[r]);
     for (int k = 0; k < 4; ++k) {
       __m256 xv = _mm256_loadu_ps(x + 8 * k);
       asm("" : "+x"(xv));  // one load for both rows (GCC would fold it into each fused multiply-add)
-      for (int r = 0; r < 2; ++r) {
-        const __m256i h = k % 2 == 0 ? half[r][k / 2] : _mm256_slli_epi32(half[r][k / 2], 16);
-        p[r][k % 2] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(h, mask)), xv, p[r][k % 2]);
-      }
+      for (int r = 0; r < 2; ++r) p[r][k % 2] = _mm256_fmadd_ps(quad_floats(half[r], k), xv, p[r][k % 2]);
     }
   };
   for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
@@ -258,53 +300,89 @@ inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> cons
   dot_block<R, N>(rows, ahead, xs, len, acc);
 }
 
-// Tokens up to which block-FP8 products take the direct path. avx2: 24, in passes of at most kPairTokens
-// (dot_pair_halves). The tile path costs the same for any count up to a token group's 16 (its lanes past the tokens
+// Tokens up to which block-FP8 products take the direct path. avx2: 24, in passes of at most kQuadTokens
+// (dot_rows). The tile path costs the same for any count up to a token group's 16 (its lanes past the tokens
 // multiply zeros) and again for 17-32, the direct path grows with the tokens. AMD Zen 3, released sizes
 // (fp8_linear 12288 x 4096, 4 experts with as many tokens each), caches flushed, 2 threads, the tile path's time /
 // the direct path's: 2.0x at 8 tokens, 1.7x at 10, 1.2-1.5x at 12, 1.1-1.3x at 13-15, 1.1x at 16, 1.65-1.74x at
-// 17, 1.2-1.6x at 20-24, 1.05-1.13x at 26-28, 0.9-1.0x at 32 (benchmarks/README.md). 25-31 are left to the tile
-// path: the direct path's margin there is a few percent on Zen 3, and its widening takes the shuffle unit, which
-// Intel cores have one of.
+// 17, 1.2-1.6x at 20-24, 1.05-1.13x at 26-28, 0.9-1.0x at 32 (benchmarks/README.md; measured with vec.h's E4M3
+// load before the quad-order kernels). 25-31 are left to the tile path: the direct path's margin there is a few
+// percent on Zen 3.
 constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 24 : kDirectMaxTokens;
 
+#if GLM53_AVX2
+// Tokens dot_quad_rows takes at a time (dot_rows): at most 5, a row pair's 10 sums (6 would take 12 of the 16
+// registers; at 5 GCC already spills a few).
+constexpr int kQuadTokens = 5;
+#endif
+
+// Token rows as the direct path reads them against E4M3 rows: len values (avx2: quad_len(len), in quad order).
+inline int64_t direct_len(int64_t len) {
+#if GLM53_AVX2
+  return quad_len(len);
+#else
+  return len;
+#endif
+}
+
+// out[direct_len(len)]: x[i] * scale_row[i / bk] * kE4m3TokenScale, i < len, laid out as the direct path reads it
+// (avx2: quad order, zero past len): a token row times one row block's scales, for the direct path's dot with
+// E4M3 rows read as value * kE4m3Unit.
+inline void scale_by_blocks(const float* x, const float* scale_row, int64_t len, int64_t bk, float* out) {
+#if GLM53_AVX2
+  quad_order(x, len, out, scale_row, bk);
+#else
+  for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
+    const F16 s = set1(scale_row[kb] * kE4m3TokenScale);
+    const int64_t b1 = std::min(b0 + bk, len);
+    for (int64_t i = b0; i < b1; i += kLanes) {
+      const int m = static_cast<int>(std::min<int64_t>(kLanes, b1 - i));
+      store(out + i, load(x + i, m) * s, m);
+    }
+  }
+#endif
+}
+
 // 1 or 2 rows (``nr``) against ``n`` tokens, kTok at a time; acc[r][j] for j < n (n <= kDirectMaxTokens,
-// kE4m3DirectMaxTokens for E4M3 rows). ``ahead`` is prefetched during the first group only (the later groups find
-// the rows in cache). E4M3 rows with more than kTok tokens go one row at a time against all of them (one
-// accumulator per token): each weight is converted once instead of once per kTok tokens, for twice the token
-// loads. fp8_linear and FP8 experts at released sizes, caches flushed, 2 threads: avx2 1.2-1.8x faster at 3-4
-// tokens, portable 1.15-1.35x, avx512 1.1-1.3x at 5-8 (benchmarks/README.md; on bfloat16 pairs, dot_rows_pairs
-// below, two rows at a time measured faster on Zen 5). The sums are the same either way (every accumulator adds the
-// same products in the same order). avx2 instead takes the row pair against up to kPairTokens tokens at a time
-// (dot_pair_halves, sums of eight partial sums): same inputs, Zen 3, 1.2-1.35x faster than one row at a time at 3-6
-// tokens.
+// kE4m3DirectMaxTokens for E4M3 rows, whose tokens are scale_by_blocks rows). ``ahead`` is prefetched during the
+// first group only (the later groups find the rows in cache). E4M3 rows with more than kTok tokens go one row at a
+// time against all of them (one accumulator per token): each weight is converted once instead of once per kTok
+// tokens, for twice the token loads. fp8_linear and FP8 experts at released sizes, caches flushed, 2 threads:
+// portable 1.15-1.35x faster at 3-4 tokens, avx512 1.1-1.3x at 5-8 (benchmarks/README.md; on bfloat16 pairs,
+// dot_rows_pairs below, two rows at a time measured faster on Zen 5). The sums are the same either way (every
+// accumulator adds the same products in the same order). avx2 instead takes the row pair against up to
+// kQuadTokens tokens at a time in quad order (dot_quad_rows).
 template <typename W, int A>
 inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const* ahead, int nr,
                      const float* const* xs, int n, int64_t len, float (*acc)[A]) {
   if constexpr (std::is_same_v<W, E4m3>) {
-    if (n > kTok) {
 #if GLM53_AVX2
-      // passes of nearly equal token counts (6: 3 + 3, 7: 3 + 4, 16: 4 x 4); the later ones find the rows in cache
-      const int passes = static_cast<int>(ceil_div(n, kPairTokens));
-      for (int p = 0, j0 = 0; p < passes; ++p) {
-        const int g = (n - j0) / (passes - p);
-        const E4m3* const* pf = p == 0 ? ahead : nullptr;
-        float part[2][kPairTokens];
-        switch (g) {  // 3 to 5: n > kTok
-          case 3: dot_pair_halves<3>(rows, pf, xs + j0, len, part); break;
-          case 4: dot_pair_halves<4>(rows, pf, xs + j0, len, part); break;
-          default: dot_pair_halves<5>(rows, pf, xs + j0, len, part); break;
-        }
-        for (int r = 0; r < nr; ++r)
-          for (int j = 0; j < g; ++j) acc[r][j0 + j] = part[r][j];
-        j0 += g;
+    // passes of 4 tokens, the most products a weight and cycle (Zen 3, dot_quad_rows), then 3 (6: 3 + 3, 10:
+    // 3 + 3 + 4), a 5 rather than a pass of 1 (9: 5 + 4); the later passes find the rows in cache
+    for (int j0 = 0; j0 < n;) {
+      const int left = n - j0, rest = left % 4;
+      const int g = rest == 0 ? 4 : rest == 3 || (rest == 2 && left >= 6) ? 3 : rest == 2 ? 2 : left >= 5 ? 5 : 1;
+      const E4m3* const* pf = j0 == 0 ? ahead : nullptr;
+      float part[2][kQuadTokens];
+      switch (g) {
+        case 1: dot_quad_rows<1>(rows, pf, xs + j0, len, part); break;
+        case 2: dot_quad_rows<2>(rows, pf, xs + j0, len, part); break;
+        case 3: dot_quad_rows<3>(rows, pf, xs + j0, len, part); break;
+        case 4: dot_quad_rows<4>(rows, pf, xs + j0, len, part); break;
+        default: dot_quad_rows<5>(rows, pf, xs + j0, len, part); break;
       }
+      for (int r = 0; r < nr; ++r)
+        for (int j = 0; j < g; ++j) acc[r][j0 + j] = part[r][j];
+      j0 += g;
+    }
+    return;
 #else
+    if (n > kTok) {
       for (int r = 0; r < nr; ++r)
         dot_tokens<1, kE4m3DirectMaxTokens>(rows + r, ahead != nullptr ? ahead + r : nullptr, xs, n, len, acc + r);
-#endif
       return;
     }
+#endif
   }
   float part[2][kTok];
   for (int j0 = 0; j0 < n; j0 += kTok) {
@@ -315,6 +393,19 @@ inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const*
     for (int r = 0; r < nr; ++r)
       for (int j = 0; j < g; ++j) acc[r][j0 + j] = part[r][j];
   }
+}
+
+// A row pair of len E4M3 bytes, row r against its own scale_by_blocks token row at x + r * row_step:
+// acc[r][0] (an expert's gate row and its up row, each with its row block's scales).
+template <int A>
+inline void dot_row_tokens(const E4m3* const* rows, const E4m3* const* ahead, const float* x, int64_t row_step,
+                           int64_t len, float (*acc)[A]) {
+  const float* xs[1] = {x};
+#if GLM53_AVX2
+  dot_quad_rows<1, A, true>(rows, ahead, xs, len, acc, row_step);
+#else
+  dot_block<2, 1, E4m3, A, true>(rows, ahead, xs, len, acc, row_step);
+#endif
 }
 
 // ---- tokens across the lanes (linear.cpp's tile path) ------------------------------------------------------
@@ -853,19 +944,6 @@ void row_tile_by_tokens(int nr, const Widen& widen, const char* const* rows, con
 // ---- block FP8 -------------------------------------------------------------------------------------------
 // Block sizes are multiples of kLanes (checked by the ops), so a lane group never straddles two blocks, and a
 // task's kRowsPerTask rows, starting at a multiple of kRowsPerTask inside a part, lie in one row block.
-
-// out[i] = x[i] * scale_row[i / bk] * kE4m3TokenScale, i < len: a token row times one row block's scales, for
-// the direct path's dot with E4M3 rows read as value * kE4m3Unit.
-inline void scale_by_blocks(const float* x, const float* scale_row, int64_t len, int64_t bk, float* out) {
-  for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
-    const F16 s = set1(scale_row[kb] * kE4m3TokenScale);
-    const int64_t b1 = std::min(b0 + bk, len);
-    for (int64_t i = b0; i < b1; i += kLanes) {
-      const int m = static_cast<int>(std::min<int64_t>(kLanes, b1 - i));
-      store(out + i, load(x + i, m) * s, m);
-    }
-  }
-}
 
 // out[i] = float(w[i]) * scale_row[i / bk], i < len: one weight row dequantized. Each value is first brought to
 // value * 2^-8 (exact: a power of two, and every E4M3 value times 2^-8 is a normal float32), then multiplied by

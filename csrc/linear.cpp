@@ -85,7 +85,8 @@ struct RowsFp8 {
   const float* scale;
   int64_t KB, block_k;
   void scale_tokens(const RowTask& task, const float* x, int64_t M, int64_t K, float* buf) const {
-    for (int64_t j = 0; j < M; ++j) scale_by_blocks(x + j * K, scale + task.scale_row * KB, K, block_k, buf + j * K);
+    for (int64_t j = 0; j < M; ++j)
+      scale_by_blocks(x + j * K, scale + task.scale_row * KB, K, block_k, buf + j * direct_len(K));
   }
   int64_t column_block() const { return block_k; }
   const float* scale_row(const RowTask& task) const { return scale + task.scale_row * KB; }
@@ -261,14 +262,14 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
 #endif
     row_pairs([&] {
       // consecutive tasks of a thread mostly share a row block: scale the tokens once per block
-      return [&, xs_buf = std::vector<float>(scaled_tokens ? M * K : 0), prepared_for = int64_t{-1}](
+      return [&, xs_buf = std::vector<float>(scaled_tokens ? M * direct_len(K) : 0), prepared_for = int64_t{-1}](
                  const RowTask& task, const W* const* pair, const W* const* next, int nr, Acc& acc) mutable {
         if constexpr (scaled_tokens) {
           if (task.scale_row != prepared_for) rows.scale_tokens(task, xp, M, K, xs_buf.data());
           prepared_for = task.scale_row;
         }
         const float* xs[kMaxDirect];
-        for (int64_t j = 0; j < M; ++j) xs[j] = (scaled_tokens ? xs_buf.data() : xp) + j * K;
+        for (int64_t j = 0; j < M; ++j) xs[j] = scaled_tokens ? xs_buf.data() + j * direct_len(K) : xp + j * K;
         dot_rows(pair, next, nr, xs, static_cast<int>(M), K, acc);
       };
     });

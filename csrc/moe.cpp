@@ -584,7 +584,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
     // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row (each
     // part written before it is read: not zeroed, 768 KiB a thread and call at the release's size on avx2)
-    const std::unique_ptr<float[]> buf(new float[2 * kE4m3DirectMaxTokens * D]);
+    const int64_t Dq = direct_len(D);  // a scaled token row's length (scale_by_blocks)
+    const std::unique_ptr<float[]> buf(new float[2 * kE4m3DirectMaxTokens * Dq]);
     std::vector<float> tile(pairs ? 0 : kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
     const TileBuffer<c10::BFloat16> tile16(
         pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
@@ -652,18 +653,17 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       if (c1 - c0 <= kE4m3DirectMaxTokens) {
         const int n = static_cast<int>(c1 - c0);
         float* xg = buf.get();
-        float* xu = xg + kE4m3DirectMaxTokens * D;
+        float* xu = xg + kE4m3DirectMaxTokens * Dq;
         if (scaled_for != e * nbI + task.row0 / block_n) {
           for (int j = 0; j < n; ++j) {
-            scale_by_blocks(xp + token_at[c0 + j] * D, gate_scale, D, block_k, xg + j * D);
-            scale_by_blocks(xp + token_at[c0 + j] * D, up_scale, D, block_k, xu + j * D);
+            scale_by_blocks(xp + token_at[c0 + j] * D, gate_scale, D, block_k, xg + j * Dq);
+            scale_by_blocks(xp + token_at[c0 + j] * D, up_scale, D, block_k, xu + j * Dq);
           }
           scaled_for = e * nbI + task.row0 / block_n;
         }
         if (n == 1) {  // a gate row and its up row at a time, each against its own scaled token (see below)
-          const float* xs[1] = {xg};
           gate_up_rows(1, [&](const E4m3* const* rows, const E4m3* const* next) {
-            dot_block<2, 1, E4m3, kPairsDirectMaxTokens, true>(rows, next, xs, D, sums, xu - xg);
+            dot_row_tokens(rows, next, xg, xu - xg, D, sums);
           });
           continue;
         }
@@ -671,7 +671,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         // per row, avx2 spilled at 2 tokens: 0.86x).
         const float* xgs[kE4m3DirectMaxTokens];
         const float* xus[kE4m3DirectMaxTokens];
-        for (int j = 0; j < n; ++j) xgs[j] = xg + j * D, xus[j] = xu + j * D;
+        for (int j = 0; j < n; ++j) xgs[j] = xg + j * Dq, xus[j] = xu + j * Dq;
         float gate_sums[2][kPairsDirectMaxTokens];
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
@@ -718,7 +718,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   const std::vector<Task> down_tasks = expert_tasks(count, D);
   at::parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t b, int64_t end) {
     // direct: scaled h rows; few: two W2 rows (not zeroed, as in step 1)
-    const std::unique_ptr<float[]> buf(new float[std::max(kE4m3DirectMaxTokens, int64_t{2}) * I]);
+    const int64_t Iq = direct_len(I);  // a scaled h row's length (scale_by_blocks)
+    const std::unique_ptr<float[]> buf(new float[std::max(kE4m3DirectMaxTokens * Iq, 2 * I)]);
     std::vector<float> tile(down_pairs ? 0 : kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
     const TileBuffer<c10::BFloat16> tile16(
         down_pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
@@ -780,10 +781,10 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       if (c1 - c0 <= kE4m3DirectMaxTokens) {
         const int n = static_cast<int>(c1 - c0);
         if (scaled_for != e * nbD + task.row0 / block_n) {
-          for (int j = 0; j < n; ++j) scale_by_blocks(hp + (c0 + j) * I, scale, I, block_k, buf.get() + j * I);
+          for (int j = 0; j < n; ++j) scale_by_blocks(hp + (c0 + j) * I, scale, I, block_k, buf.get() + j * Iq);
           scaled_for = e * nbD + task.row0 / block_n;
         }
-        for (int j = 0; j < n; ++j) hs[j] = buf.get() + j * I;
+        for (int j = 0; j < n; ++j) hs[j] = buf.get() + j * Iq;
         row_pairs(n, [&](const E4m3* const* rows, const E4m3* const* next, int nr) {
           dot_rows(rows, next, nr, hs, n, I, acc_direct);
         });

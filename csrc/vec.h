@@ -254,15 +254,6 @@ inline __m256 e4m3_floats(__m256i both) {
   return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x87FFFFFFu))));
 }
 
-// 8 E4M3 bytes -> their float32 bits times 2^-120, as e4m3_floats: sign-extended to 32 bits, the shift puts the
-// exponent and mantissa in place with the sign's copies above them, the mask keeps the one in bit 31. No shuffle
-// constants: gemv.h's dot_pair_halves needs their registers.
-inline __m256 e4m3_floats8(const void* p) {
-  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
-  const __m256i bits = _mm256_slli_epi32(v, 20);
-  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x87FFFFFFu))));
-}
-
 struct F16 {
   __m256 lo, hi;  // lanes 0-7, 8-15
 };
