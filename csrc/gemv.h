@@ -8,10 +8,11 @@
 // Block FP8 (weight[n, k] = float(e4m3[n, k]) * scale[n / bn, k / bk]) is computed two ways:
 //   direct  for a few tokens: the token rows are multiplied by one row block's scales (scale_by_blocks), then
 //           dotted with the E4M3 rows as they stream in (vec.h's E4M3 load), so every weight byte is read once
-//           and converted once (dot_rows); nothing is written but the results. avx2, one token: the token row in
-//           the order 32 widened bytes come out in, each column block's sums times its scale (dot_quads). bfloat16
-//           tokens on a CPU with bfloat16 dot products: the token rows as they are (in unpack order) against the
-//           E4M3 values as bfloat16, each column block's sums times its scale (dot_rows_pairs).
+//           and converted once (dot_rows); nothing is written but the results. avx2: the token rows in the order
+//           32 bytes widened by shifts come out in (dot_quad_rows); one token unscaled, shared by a gate row and its
+//           up row, each column block's sums times its scale (dot_quads). bfloat16 tokens on a CPU with bfloat16
+//           dot products: the token rows as they are (in unpack order) against the E4M3 values as bfloat16, each
+//           column block's sums times its scale (dot_rows_pairs).
 //   tile    for more tokens: the tokens lie across the vector lanes and a few rows at a time, dequantized a chunk
 //           of columns at a time into an L1-resident float32 buffer (dequantize_row), are broadcast against
 //           them (rows_by_tokens, below), so the conversion is paid once per weight value and pass. bfloat16
@@ -141,9 +142,10 @@ template <int R, int N, typename W, int A, bool kRowTokens = false>
 // low half's up, and the same after a 16-bit shift left by 8 gives the other two bytes: 5 shifts and 4 ANDs a 32
 // bytes, against 8 shuffles and shifts and 4 ANDs for vec.h's E4M3 load, whose shuffle and shift units bound the
 // direct path. Lane i of vector k holds column 4i + {3, 1, 2, 0}[k] of the group, so the tokens are laid out in
-// that order ("quad order": quad_order, scale_by_blocks). Zen 3, a row pair from memory, one core: 4.9-5.3
-// weights a cycle against one token (against 3.5-4.1 with the shuffles), 4.4-4.6 against two (3.8-3.9), 3.4-3.6
-// against three (3.0-3.2), 2.8-3.0 against four (2.2-2.8), level at five (benchmarks/README.md).
+// that order ("quad order": quad_order, scale_by_blocks). Zen 3, a row pair, one core: 4.9-5.3 weights a cycle
+// against one token from memory (3.5-4.1 with the shuffles); from the L2 or L3 4.4-4.7 against two (3.8-3.9),
+// 3.4-3.6 against three (3.0-3.2), 2.8-3.1 against four (2.2-2.8), 2.1-2.3 against five (2.0-2.4)
+// (benchmarks/README.md).
 constexpr int64_t kQuad = 32;  // columns a load widens
 inline int64_t quad_len(int64_t len) { return ceil_div(len, kQuad) * kQuad; }
 // Whether dot_quads takes column blocks of bk columns (whole groups of kQuad).
