@@ -302,15 +302,16 @@ inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> cons
   dot_block<R, N>(rows, ahead, xs, len, acc);
 }
 
-// Tokens up to which block-FP8 products take the direct path. avx2: 24, in passes of at most kQuadTokens
+// Tokens up to which block-FP8 products take the direct path. avx2: 28, in passes of at most kQuadTokens
 // (dot_rows). The tile path costs the same for any count up to a token group's 16 (its lanes past the tokens
 // multiply zeros) and again for 17-32, the direct path grows with the tokens. AMD Zen 3, released sizes
 // (fp8_linear 12288 x 4096, 4 experts with as many tokens each), caches flushed, 2 threads, the tile path's time /
 // the direct path's: 2.0x at 8 tokens, 1.7x at 10, 1.2-1.5x at 12, 1.1-1.3x at 13-15, 1.1x at 16, 1.65-1.74x at
-// 17, 1.2-1.6x at 20-24, 1.05-1.13x at 26-28, 0.9-1.0x at 32 (benchmarks/README.md; measured with vec.h's E4M3
-// load before the quad-order kernels). 25-31 are left to the tile path: the direct path's margin there is a few
-// percent on Zen 3.
-constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 24 : kDirectMaxTokens;
+// 17, 1.2-1.6x at 20-24 (vec.h's E4M3 load, before the quad-order kernels); with dot_quad_rows (bench_kernel_ab.py,
+// a build taking the direct path to 32 against one stopping at 24, two runs, linear / experts) 1.17-1.35x /
+// 1.15-1.31x at 25, 1.26x / 1.07x at 26, 1.05-1.12x / 1.02x at 28, 1.10x / 1.00x at 30, 0.87-0.90x / 0.90x at 32
+// (benchmarks/README.md). 29-31 are left to the tile path: the direct path's margin there is within the spread.
+constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 28 : kDirectMaxTokens;
 
 #if GLM53_AVX2
 // Tokens dot_quad_rows takes at a time (dot_rows): at most 5, a row pair's 10 sums (6 would take 12 of the 16
@@ -425,8 +426,8 @@ constexpr int64_t kColumnChunk = 256;  // columns widened per step: kRowTile row
 // would multiply zeros: there each row, dequantized into L1, is dotted with kTok tokens at a time (dot_tokens).
 // One FP8 expert of GLM-5.3-Flash's size, AVX2 (Zen 5), 2 threads, two runs: one token group across the lanes
 // 7.0-7.2 ms (9 and 12 tokens; the same for any count up to 16), the dot products 5.8-6.0 (5 tokens), 6.6-7.0 (6),
-// 7.4-7.8 (7), 8.3-8.5 (8). The avx2 build's FP8 experts have since taken the direct path up to 24 tokens
-// (kE4m3DirectMaxTokens), which starts the tile path for them at 25.
+// 7.4-7.8 (7), 8.3-8.5 (8). The avx2 build's FP8 experts have since taken the direct path up to 28 tokens
+// (kE4m3DirectMaxTokens), which starts the tile path for them at 29.
 constexpr int64_t kAcrossLanesMinTokens = 7;
 // Token groups per pass over a block of rows (moe.cpp, which may give one expert a whole prefill's tokens): each
 // row tile reads the pass's token groups once, 4 MiB at K = 4,096 for 16 groups (256 tokens, where linear.cpp's

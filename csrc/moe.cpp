@@ -25,7 +25,7 @@
 //
 // moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes. Below kAcrossLanesMinTokens
 // it has two forms: at most kE4m3DirectMaxTokens tokens, the direct path (tokens pre-multiplied by the row block's
-// scales, E4M3 rows converted as they stream; on avx2 up to 24 tokens, one token with the scales on the sums
+// scales, E4M3 rows converted as they stream; on avx2 up to 28 tokens, one token with the scales on the sums
 // instead (gemv.h's dot_quads: a gate row and its up row share the token), with bfloat16 pairs in both steps up to
 // kPairsDirectMaxTokens, past kAcrossLanesMinTokens too); more (only where the direct path stops below
 // kAcrossLanesMinTokens: the portable build's 5-6 tokens), each row dequantized into L1 and dotted with kTok tokens
@@ -583,7 +583,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
   const std::vector<Task> up_tasks = expert_tasks(count, I);
   at::parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t b, int64_t end) {
     // direct: the tokens times the gate block's and the up block's scales; few: one gate row and one up row (each
-    // part written before it is read: not zeroed, 768 KiB a thread and call at the release's size on avx2)
+    // part written before it is read: not zeroed, 896 KiB a thread and call at the release's size on avx2)
     const int64_t Dq = direct_len(D);  // a scaled token row's length (scale_by_blocks)
     const std::unique_ptr<float[]> buf(new float[2 * kE4m3DirectMaxTokens * Dq]);
     std::vector<float> tile(pairs ? 0 : kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
