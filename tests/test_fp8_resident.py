@@ -232,9 +232,9 @@ def _routing(T: int, k: int, gen):
 # Tokens per expert (experts 0, 2, 3, 5): T = 1: 0-1, the direct path; 8: 2-4 on the direct path (more than kTok:
 # portable one row at a time against all of them, avx2 row pairs against all) and the hot expert's 5-6 (direct on
 # avx2, elsewhere rows dotted kTok tokens at a time); 16: 5-6, and 7-15, one token group across the lanes (avx2:
-# the direct path in passes of 3-5 tokens); 58: 15-50, up to four groups (avx2: 15-27 direct, the last count
-# past 24 in passes of 4 and 3; the hot expert's 49-50 across the lanes); 400: 132-356, the hot expert's 22 groups
-# in two passes of at most 16.
+# the direct path in passes of 3-5 tokens); 58: 15-50, up to four groups (avx2: 15-27 direct, 25 and 27 past its
+# earlier end at 24; the hot expert's 49-50 across the lanes); 400: 132-356, the hot expert's 22 groups in two
+# passes of at most 16.
 @pytest.mark.parametrize("D,inter", [(256, 128), (320, 200), (320, 72)])
 @pytest.mark.parametrize("T", [1, 8, 16, 58, 400])
 def test_fp8_experts_match_dequantize_then_loop(T, D, inter):
