@@ -144,24 +144,31 @@ template <int R, int N, typename W, int A, bool kRowTokens = false>
 // direct path. Lane i of vector k holds column 4i + {3, 1, 2, 0}[k] of the group, so the tokens are laid out in
 // that order ("quad order": quad_order, scale_by_blocks). Zen 3, a row pair, one core: 4.9-5.3 weights a cycle
 // against one token from memory (3.5-4.1 with the shuffles); from the L2 or L3 4.4-4.7 against two (3.8-3.9),
-// 3.4-3.6 against three (3.0-3.2), 2.8-3.1 against four (2.2-2.8), 2.1-2.3 against five (2.0-2.4)
-// (benchmarks/README.md).
+// 3.4-3.6 against three (3.0-3.2), 2.8-3.1 against four (2.2-2.8), 2.0-2.25 against five (2.0-2.4; 1.7 in the
+// same loop with both halves of both rows kept in registers, which spilled sums) (benchmarks/README.md).
 constexpr int64_t kQuad = 32;  // columns a load widens
 inline int64_t quad_len(int64_t len) { return ceil_div(len, kQuad) * kQuad; }
 // Whether dot_quads takes column blocks of bk columns (whole groups of kQuad).
 inline bool quads_fit(int64_t bk) { return bk % kQuad == 0; }
 
-// The two 16-bit-shifted forms of 32 E4M3 bytes v that quad_floats masks: [0] bytes 3 and 1 at the tops of the
-// 16-bit halves, [1] bytes 2 and 0.
-[[gnu::always_inline]] inline void quad_halves(__m256i v, __m256i (&half)[2]) {
-  half[0] = _mm256_srai_epi16(v, 4);
-  half[1] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4);
+// The two 16-bit-shifted forms of 32 E4M3 bytes v that quad_float masks: half 0 has bytes 3 and 1 at the tops of
+// the 16-bit halves, half 1 bytes 2 and 0 (quad_halves: both).
+[[gnu::always_inline]] inline __m256i quad_half(__m256i v, int hk) {
+  return _mm256_srai_epi16(hk == 0 ? v : _mm256_slli_epi16(v, 8), 4);
 }
-// Vector k (0..3; a constant after unrolling) of the group as float32 bits times kE4m3Unit.
-[[gnu::always_inline]] inline __m256 quad_floats(const __m256i (&half)[2], int k) {
+[[gnu::always_inline]] inline void quad_halves(__m256i v, __m256i (&half)[2]) {
+  half[0] = quad_half(v, 0);
+  half[1] = quad_half(v, 1);
+}
+// Vector 2 hk + kk (kk 0, 1; constants after unrolling) of the group, from its half hk, as float32 bits times
+// kE4m3Unit.
+[[gnu::always_inline]] inline __m256 quad_float(__m256i half, int kk) {
   const __m256i mask = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
-  const __m256i h = k % 2 == 0 ? half[k / 2] : _mm256_slli_epi32(half[k / 2], 16);
-  return _mm256_castsi256_ps(_mm256_and_si256(h, mask));
+  return _mm256_castsi256_ps(_mm256_and_si256(kk == 0 ? half : _mm256_slli_epi32(half, 16), mask));
+}
+// Vector k (0..3) of the group.
+[[gnu::always_inline]] inline __m256 quad_floats(const __m256i (&half)[2], int k) {
+  return quad_float(half[k / 2], k % 2);
 }
 
 // out[quad_len(len)]: x[i] times kE4m3TokenScale and, with a scale_row, times scale_row[i / bk] (bk a multiple of
@@ -198,7 +205,10 @@ inline void quad_order(const float* x, int64_t len, float* out, const float* sca
 // values, zero past len), both rows sharing each token load; kRowTokens: N = 1 and row r's token at
 // xs[0] + r * row_step instead. A (row, token) sum takes C vectors (one chain of multiply-adds each): 8 chains at
 // one and two tokens (fewer leave Zen 3's two FMA units waiting on the 4-cycle latency), and one a (row, token)
-// from three (6-10 chains: 12 spill; three tokens measured faster with 6 than with 12). ``ahead`` as in dot_block.
+// from three (6-10 chains: 12 spill; three tokens measured faster with 6 than with 12). With 5 tokens the 10 sums
+// leave no room for both halves of both rows (GCC spilled sums): each half is made from a load of its own of the
+// bytes, from the L1 (Zen 3, a row pair from the L2, one core: 2.0-2.25 weights a cycle against 1.7; at 4 tokens
+// the same 1.02x, within the spread, so fewer tokens keep the halves). ``ahead`` as in dot_block.
 template <int N, int A, bool kRowTokens = false>
 [[gnu::noinline]] void dot_quad_rows(const E4m3* const* rows, const E4m3* const* ahead, const float* const* xs,
                                      int64_t len, float (*acc)[A], int64_t row_step = 0) {
@@ -208,21 +218,30 @@ template <int N, int A, bool kRowTokens = false>
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < 2; ++r)
       for (int j = 0; j < N; ++j) s[c][r][j] = _mm256_setzero_ps();
-  // the 32 bytes v[r] of each row against the tokens' columns [i, i + 32)
-  const auto group = [&](const __m256i* v, int64_t i) __attribute__((always_inline)) {
-    __m256i half[2][2];
-    for (int r = 0; r < 2; ++r) quad_halves(v[r], half[r]);
-    for (int k = 0; k < 4; ++k) {
-      const __m256 w[2] = {quad_floats(half[0], k), quad_floats(half[1], k)};
-      for (int j = 0; j < N; ++j) {
-        if constexpr (kRowTokens) {
-          for (int r = 0; r < 2; ++r)
-            s[k % C][r][j] = _mm256_fmadd_ps(w[r], _mm256_loadu_ps(xs[j] + r * row_step + i + 8 * k), s[k % C][r][j]);
-        } else {
-          __m256 x = _mm256_loadu_ps(xs[j] + i + 8 * k);
-          asm("" : "+x"(x));  // one load for both rows (GCC would fold it into each fused multiply-add)
-          for (int r = 0; r < 2; ++r) s[k % C][r][j] = _mm256_fmadd_ps(w[r], x, s[k % C][r][j]);
-        }
+  // vector k of both rows (w) against the tokens' columns i + 8k ..
+  const auto products = [&](const __m256 (&w)[2], int64_t i, int k) __attribute__((always_inline)) {
+    for (int j = 0; j < N; ++j) {
+      if constexpr (kRowTokens) {
+        for (int r = 0; r < 2; ++r)
+          s[k % C][r][j] = _mm256_fmadd_ps(w[r], _mm256_loadu_ps(xs[j] + r * row_step + i + 8 * k), s[k % C][r][j]);
+      } else {
+        __m256 x = _mm256_loadu_ps(xs[j] + i + 8 * k);
+        asm("" : "+x"(x));  // one load for both rows (GCC would fold it into each fused multiply-add)
+        for (int r = 0; r < 2; ++r) s[k % C][r][j] = _mm256_fmadd_ps(w[r], x, s[k % C][r][j]);
+      }
+    }
+  };
+  // the 32 bytes at src[r] of each row against the tokens' columns [i, i + 32)
+  const auto group = [&](const uint8_t* const* src, int64_t i) __attribute__((always_inline)) {
+    const auto bytes = [&](int r) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[r])); };
+    if constexpr (N < 5) {
+      __m256i half[2][2];
+      for (int r = 0; r < 2; ++r) quad_halves(bytes(r), half[r]);
+      for (int k = 0; k < 4; ++k) products({quad_floats(half[0], k), quad_floats(half[1], k)}, i, k);
+    } else {
+      for (int hk = 0; hk < 2; ++hk) {
+        const __m256i half[2] = {quad_half(bytes(0), hk), quad_half(bytes(1), hk)};
+        for (int kk = 0; kk < 2; ++kk) products({quad_float(half[0], kk), quad_float(half[1], kk)}, i, 2 * hk + kk);
       }
     }
   };
@@ -230,16 +249,15 @@ template <int N, int A, bool kRowTokens = false>
   for (; i + kQuad <= len; i += kQuad) {
     if (ahead != nullptr)
       for (int r = 0; r < 2; ++r) __builtin_prefetch(ahead[r] + i);
-    const __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + i)),
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[1] + i))};
-    group(v, i);
+    const uint8_t* src[2] = {reinterpret_cast<const uint8_t*>(rows[0] + i),
+                             reinterpret_cast<const uint8_t*>(rows[1] + i)};
+    group(src, i);
   }
   if (i < len) {  // the rows' ragged end: copied into zeros
     alignas(32) uint8_t tail[2][kQuad] = {};
     for (int r = 0; r < 2; ++r) std::memcpy(tail[r], rows[r] + i, len - i);
-    const __m256i v[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(tail[0])),
-                          _mm256_load_si256(reinterpret_cast<const __m256i*>(tail[1]))};
-    group(v, i);
+    const uint8_t* src[2] = {tail[0], tail[1]};
+    group(src, i);
   }
   for (int r = 0; r < 2; ++r)
     for (int j = 0; j < N; ++j) {
@@ -315,7 +333,7 @@ constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 28 : kDirectMaxTokens;
 
 #if GLM53_AVX2
 // Tokens dot_quad_rows takes at a time (dot_rows): at most 5, a row pair's 10 sums (6 would take 12 of the 16
-// registers; at 5 GCC already spills a few).
+// registers; at 5 the rows' bytes are loaded once for each half).
 constexpr int kQuadTokens = 5;
 #endif
 
