@@ -207,8 +207,9 @@ inline void quad_order(const float* x, int64_t len, float* out, const float* sca
 // one and two tokens (fewer leave Zen 3's two FMA units waiting on the 4-cycle latency), and one a (row, token)
 // from three (6-10 chains: 12 spill; three tokens measured faster with 6 than with 12). With 5 tokens the 10 sums
 // leave no room for both halves of both rows (GCC spilled sums): each half is made from a load of its own of the
-// bytes, from the L1 (Zen 3, a row pair from the L2, one core: 2.0-2.25 weights a cycle against 1.7; at 4 tokens
-// the same 1.02x, within the spread, so fewer tokens keep the halves). ``ahead`` as in dot_block.
+// bytes, from the L1 (Zen 3, a row pair from the L2, one core: 2.0-2.25 weights a cycle against 1.7; the same
+// form at 4 tokens 1.02x, within the spread, so up to 4 tokens the halves stay in registers). ``ahead`` as in
+// dot_block.
 template <int N, int A, bool kRowTokens = false>
 [[gnu::noinline]] void dot_quad_rows(const E4m3* const* rows, const E4m3* const* ahead, const float* const* xs,
                                      int64_t len, float (*acc)[A], int64_t row_step = 0) {
