@@ -41,20 +41,51 @@
 namespace glm53 {
 namespace {
 
-// The clamped SwiGLU of one gate / up value (only the gate's upper side is clamped).
-inline float clamped_swiglu(float g, float u, float limit) {
-  return silu(std::min(g, limit)) * std::clamp(u, -limit, limit);
+// The clamped SwiGLU of 16 gate / up values (only the gate's upper side is clamped): silu(min(g, L)) * clamp(u, -L,
+// L), with vec.h's exp. Every path takes it 16 values at a time: libm's exp once per value took ~20 % of a call at
+// hidden 512 (short rows: few products per h value) and about half of the AMX path's at 16 tokens.
+inline F16 clamped_swiglu(F16 g, F16 u, float limit) {
+  const F16 hi = set1(limit);
+  g = vmin(hi, g);  // std::min(g, limit): a NaN gate stays NaN
+  u = vmax(set1(-limit), vmin(hi, u));
+  return g / (set1(1.0f) + exp(zero() - g)) * u;
 }
 
 // h as the model's dtype holds it: with bfloat16 / float16 tokens the intermediate is rounded to that dtype (to
 // nearest even) before the down product, as it is a 16-bit tensor in the per-expert torch loop
 // (routed_experts_torch, which runs the larger batches), in transformers' experts and in vLLM's fused MoE; float32
 // tokens keep it float32. So the result does not depend on which path a batch size takes.
-inline float as_h(at::ScalarType type, float v) {
-  if (type == at::kBFloat16) return static_cast<float>(c10::BFloat16(v));
-  if (type == at::kHalf) return static_cast<float>(c10::Half(v));
+inline F16 as_h(at::ScalarType type, F16 v) {
+  if (type == at::kBFloat16) {
+    alignas(64) c10::BFloat16 b[kLanes];
+    store(b, v);
+    return glm53::load(b);  // qualified: c10::load is found by argument lookup
+  }
+  if (type == at::kHalf) {
+    alignas(64) c10::Half b[kLanes];
+    store(b, v);
+    return glm53::load(b);
+  }
   return v;
 }
+
+// A task's gate and up sums (its at most kRowsPerTask rows, one vector, for up to kMax tokens), kept until its rows
+// are done so that the SwiGLU takes a token's 16 rows at once.
+template <int64_t kMax>
+struct TaskSums {
+  static_assert(kRowsPerTask == kLanes, "a task's rows are one vector");
+  alignas(64) float gate[kMax][kLanes], up[kMax][kLanes];
+  // row i's sums of tokens [j0, j0 + n)
+  void put(int64_t i, int64_t j0, int n, const float* g, const float* u) {
+    for (int j = 0; j < n; ++j) gate[j0 + j][i] = g[j], up[j0 + j][i] = u[j];
+  }
+  // put(j, h) with h = clamped_swiglu of token j's first ``rows`` rows (0 past them), for tokens [0, n)
+  template <typename Put>
+  void swiglu(int64_t n, int64_t rows, float limit, const Put& put) const {
+    const int m = static_cast<int>(rows);
+    for (int64_t j = 0; j < n; ++j) put(j, clamped_swiglu(load(gate[j], m), load(up[j], m), limit));
+  }
+};
 
 struct Task {
   int64_t expert, row0, rows;
@@ -232,8 +263,8 @@ void swiglu_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const
         for (int i = 0; i < nh; ++i) {
           const float* ag = acc + (q * kRowTile + i) * kLanes;
           const float* au = acc_up + (q * kRowTile + up_at + i) * kLanes;
-          float h[kLanes];
-          for (int l = 0; l < kLanes; ++l) h[l] = clamped_swiglu(ag[l], au[l], limit);
+          alignas(64) float h[kLanes];
+          store(h, clamped_swiglu(load(ag), load(au), limit));
           put(p0 + q, r0 + i, h);
         }
     }
@@ -243,8 +274,7 @@ void swiglu_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const
 // swiglu_tile's put for float32 h across the lanes (he: an expert's first group), rounded as as_h says.
 inline auto h_lanes(float* he, int64_t I, at::ScalarType type) {
   return [=](int64_t group, int64_t r, const float* h) {
-    float* dst = he + (group * I + r) * kLanes;
-    for (int l = 0; l < kLanes; ++l) dst[l] = as_h(type, h[l]);
+    store(he + (group * I + r) * kLanes, as_h(type, load(h)));
   };
 }
 
@@ -254,10 +284,9 @@ inline auto h_lanes(float* he, int64_t I, at::ScalarType type) {
 inline auto h_pairs(uint32_t* he, int64_t len, const int64_t* at) {
   return [=](int64_t group, int64_t r, const float* h) {
     char* dst = reinterpret_cast<char*>(he + (group * len / 2 + at[r] / 2) * kLanes) + (r % 2) * 2;
-    for (int l = 0; l < kLanes; ++l) {
-      const uint16_t bits = c10::BFloat16(h[l]).x;
-      std::memcpy(dst + 4 * l, &bits, sizeof(bits));
-    }
+    alignas(64) c10::BFloat16 b[kLanes];
+    store(b, load(h));
+    for (int l = 0; l < kLanes; ++l) std::memcpy(dst + 4 * l, &b[l], sizeof(b[l]));
   };
 }
 
@@ -298,14 +327,6 @@ void down_tile(int64_t row0, int64_t last, const Row& row, int64_t elem, const W
 // (64 experts, hidden 512), 0.68 / 0.58 / 0.47 (16 experts of the released size).
 constexpr int64_t kAmxExpertMinPairs = 4;
 
-// clamped_swiglu on 16 lanes: the same steps, with vec.h's exp for std::exp.
-inline __m512 clamped_swiglu16(__m512 g, __m512 u, float limit) {
-  g = _mm512_min_ps(g, _mm512_set1_ps(limit));
-  u = _mm512_max_ps(_mm512_min_ps(u, _mm512_set1_ps(limit)), _mm512_set1_ps(-limit));
-  const __m512 e = exp(F16{_mm512_sub_ps(_mm512_setzero_ps(), g)}).v;
-  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
-}
-
 // Steps 1 and 2 for bfloat16 weights and tokens on AMX tiles (amx.h), every expert with tokens, any count: the
 // weight rows are loaded into the tiles as they lie in memory (nothing to convert), against the expert's tokens 16 at
 // a time as column pairs (token_pairs_in_order); step 1 writes h (bfloat16, as as_h rounds it) in that layout for
@@ -343,12 +364,11 @@ at::Tensor experts_bf16_amx(const Routing& g, const at::Tensor& w13, const at::T
       for (int64_t q = 0; q < ceil_div(g.count[e], kLanes); ++q) {
         const int64_t group = group0[e] + q;
         amx_rows_by_pairs(rows, rows + I * s13r, s13r * 2, xtp + group * Dp * kLanes, D, gate, up);
-        // h of a row pair in vectors (lanes past the tokens: swiglu(0, 0) = 0), as pairs of columns: a scalar
-        // clamped_swiglu per value (libm's exp) took about half the call at 16 tokens
+        // h of a row pair in vectors (lanes past the tokens: swiglu(0, 0) = 0), as pairs of columns
         for (int i = 0; i < task.rows; i += 2) {
           alignas(64) c10::BFloat16 h[2][kLanes];
           for (int half = 0; half < 2; ++half)
-            store(h[half], F16{clamped_swiglu16(_mm512_load_ps(gate[i + half]), _mm512_load_ps(up[i + half]), limit)});
+            store(h[half], clamped_swiglu(load(gate[i + half]), load(up[i + half]), limit));
           const __m512i lo = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(h[0])));
           const __m512i hi = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(h[1])));
           _mm512_storeu_si512(htp32 + (group * Ip + (task.row0 + i) / 2) * kLanes,
@@ -421,6 +441,7 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
       float acc[2][kTok];
       const float* xs[kTok];
       std::vector<float> tile, tile_acc;
+      TaskSums<kAcrossLanesMinTokens - 1> sums;
       for (; b < end; ++b) {
         const Task& task = up_tasks[b];
         const scalar_t* we = w13p + task.expert * s13e;
@@ -435,8 +456,10 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
               kColumnChunk, limit, h_lanes(lanes.h_of(task.expert, I), I, g.h_type), tile.data(), tile_acc.data());
           continue;
         }
-        for (int64_t c0 = start[task.expert]; c0 < start[task.expert + 1]; c0 += x_chunk) {
-          const int64_t c1 = std::min(c0 + x_chunk, start[task.expert + 1]);
+        // fewer than kAcrossLanesMinTokens tokens (the others took the tile path)
+        const int64_t first = start[task.expert], last = start[task.expert + 1];
+        for (int64_t c0 = first; c0 < last; c0 += x_chunk) {
+          const int64_t c1 = std::min(c0 + x_chunk, last);
           for (int64_t r = task.row0; r < task.row0 + task.rows; ++r) {
             const scalar_t* rows[2] = {we + r * s13r, we + (I + r) * s13r};
             const int64_t rn = std::min(r + ahead, I - 1);
@@ -445,11 +468,13 @@ at::Tensor moe_experts(const at::Tensor& x_, const at::Tensor& w13_, const at::T
               const int n = static_cast<int>(std::min<int64_t>(kTok, c1 - j0));
               for (int j = 0; j < n; ++j) xs[j] = xp + token_at[j0 + j] * D;
               dot_tokens<2>(rows, j0 == c0 ? next : nullptr, xs, n, D, acc);
-              for (int j = 0; j < n; ++j)
-                hp[(j0 + j) * I + r] = as_h(g.h_type, clamped_swiglu(acc[0][j], acc[1][j], limit));
+              sums.put(r - task.row0, j0 - first, n, acc[0], acc[1]);
             }
           }
         }
+        sums.swiglu(last - first, task.rows, limit, [&](int64_t j, F16 h) {
+          store(hp + (first + j) * I + task.row0, as_h(g.h_type, h), static_cast<int>(task.rows));
+        });
       }
     });
 
@@ -567,10 +592,15 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
                                      : at::empty({P, h_order.len}, bf16);
   c10::BFloat16* hbp = down_pairs ? hb.data_ptr<c10::BFloat16>() : nullptr;
   const std::vector<int64_t> h_at = down_pairs ? h_order.positions() : std::vector<int64_t>();
-  const auto put_h = [&](int64_t slot, int64_t r, float v) {
+  // h of pair slot ``slot``, rows [r0, r0 + rows) (a task's), rounded as as_h says, into h and (bfloat16 pairs in
+  // step 2) hb
+  const auto put_h = [&](int64_t slot, int64_t r0, int64_t rows, F16 v) {
     v = as_h(g.h_type, v);
-    hp[slot * I + r] = v;
-    if (hbp != nullptr) hbp[slot * h_order.len + h_at[r]] = c10::BFloat16(v);
+    store(hp + slot * I + r0, v, static_cast<int>(rows));
+    if (hbp == nullptr) return;
+    alignas(64) c10::BFloat16 b[kLanes];
+    store(b, v);
+    for (int64_t i = 0; i < rows; ++i) hbp[slot * h_order.len + h_at[r0 + i]] = b[i];
   };
   AcrossLanes lanes = tile_tokens(g, I, amx ? direct_max + 1 : std::max(kAcrossLanesMinTokens, direct_max + 1),
                                   pairs ? &x_order : nullptr,
@@ -590,6 +620,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     const TileBuffer<c10::BFloat16> tile16(
         pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
     float sums[2][kPairsDirectMaxTokens];  // the direct path's
+    TaskSums<std::max({kPairsDirectMaxTokens, kE4m3DirectMaxTokens, kAcrossLanesMinTokens - 1})> task_sums;
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
 #if GLM53_AVX2
     const bool quads = quads_fit(block_k);  // one token: gemv.h's dot_quads, the token in quad order (xq)
@@ -604,6 +635,10 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const float* up_scale = gate_scale + nbI * kbD;
       const auto row = [&](bool up, int64_t r) { return we + ((up ? I : 0) + r) * s13r; };
       const auto bytes = [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); };
+      // h of the expert's n tokens from the task's sums (task_sums)
+      const auto put_task_h = [&](int64_t n) {
+        task_sums.swiglu(n, task.rows, limit, [&](int64_t j, F16 h) { put_h(c0 + j, task.row0, task.rows, h); });
+      };
       // The task's rows, a gate row and its up row at a time, against the expert's n tokens: dot(rows, next) fills
       // sums[0..1][0, n) (``next``: the pair to prefetch meanwhile).
       const auto gate_up_rows = [&](int n, const auto& dot) {
@@ -612,8 +647,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           const E4m3* rows[2] = {row(false, r), row(true, r)};
           const E4m3* next[2] = {row(false, rn), row(true, rn)};
           dot(rows, next);
-          for (int j = 0; j < n; ++j) put_h(c0 + j, r, clamped_swiglu(sums[0][j], sums[1][j], limit));
+          task_sums.put(r - task.row0, 0, n, sums[0], sums[1]);
         }
+        put_task_h(n);
       };
 #if GLM53_AVX512
       if (pairs && c1 - c0 <= direct_max) {
@@ -681,9 +717,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           const int64_t rn = std::min(r + pair_ahead, I - 2);
           const E4m3* next[2] = {row(false, rn), row(false, rn + 1)};
           dot_rows(up, rn >= 0 ? next : nullptr, nr, xus, n, D, sums);
-          for (int i = 0; i < nr; ++i)
-            for (int j = 0; j < n; ++j) put_h(c0 + j, r + i, clamped_swiglu(gate_sums[i][j], sums[i][j], limit));
+          for (int i = 0; i < nr; ++i) task_sums.put(r + i - task.row0, 0, n, gate_sums[i], sums[i]);
         }
+        put_task_h(n);
         continue;
       }
       if (c1 - c0 < kAcrossLanesMinTokens) {
@@ -699,9 +735,10 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
             for (int j = 0; j < n; ++j) xs[j] = xp + token_at[j0 + j] * D;
             float part[2][kTok];
             dot_tokens<2>(rows, nullptr, xs, n, D, part);
-            for (int j = 0; j < n; ++j) put_h(j0 + j, r, clamped_swiglu(part[0][j], part[1][j], limit));
+            task_sums.put(r - task.row0, j0 - c0, n, part[0], part[1]);
           }
         }
+        put_task_h(c1 - c0);
         continue;
       }
       swiglu_tile(

@@ -133,6 +133,7 @@ inline F16 operator-(F16 a, F16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline F16 operator*(F16 a, F16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline F16 operator/(F16 a, F16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline F16 fma(F16 a, F16 b, F16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
+inline F16 vmin(F16 a, F16 b) { return {_mm512_min_ps(a.v, b.v)}; }  // a < b ? a : b
 inline F16 vmax(F16 a, F16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline F16 relu(F16 a) { return {_mm512_max_ps(a.v, _mm512_setzero_ps())}; }
 // Halves, then quarters, then pairs: the tree every path sums in (see the avx2 and portable paths).
@@ -347,6 +348,7 @@ inline F16 operator/(F16 a, F16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_d
 inline F16 fma(F16 a, F16 b, F16 c) {  // a * b + c
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
+inline F16 vmin(F16 a, F16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }  // a < b ? a : b
 inline F16 vmax(F16 a, F16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline F16 relu(F16 a) { return vmax(a, zero()); }
 // The avx512 path's reduction tree (halves, then quarters, then pairs): both paths sum in the same order.
@@ -445,6 +447,7 @@ inline F16 operator-(F16 a, F16 b) { GLM53_LANEWISE(a.v[i] - b.v[i]) }
 inline F16 operator*(F16 a, F16 b) { GLM53_LANEWISE(a.v[i] * b.v[i]) }
 inline F16 operator/(F16 a, F16 b) { GLM53_LANEWISE(a.v[i] / b.v[i]) }
 inline F16 fma(F16 a, F16 b, F16 c) { GLM53_LANEWISE(a.v[i] * b.v[i] + c.v[i]) }  // two roundings (see top)
+inline F16 vmin(F16 a, F16 b) { GLM53_LANEWISE(a.v[i] < b.v[i] ? a.v[i] : b.v[i]) }  // as the vector paths'
 inline F16 vmax(F16 a, F16 b) { GLM53_LANEWISE(std::max(a.v[i], b.v[i])) }
 inline F16 relu(F16 a) { GLM53_LANEWISE(std::max(a.v[i], 0.0f)) }
 inline F16 exp(F16 x) { GLM53_LANEWISE(std::exp(x.v[i])) }
@@ -503,7 +506,5 @@ inline void from_float(const float* src, T* dst, int64_t n) {
     store(dst + i, load(src + i, m), m);
   }
 }
-
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 }  // namespace glm53
