@@ -335,8 +335,8 @@ def main() -> None:
                         help="hidden 4096, dense intermediate 12288, expert intermediate 2048 (defaults: 32 experts, "
                              "3 layers)")
     parser.add_argument("--base", metavar="REV",
-                        help="also time the FP8 step on a git revision's kernels (built as bench_kernel_ab.py does), "
-                             "interleaved with this tree's: the last two columns")
+                        help="also time both steps on a git revision's kernels (built as bench_kernel_ab.py does), "
+                             "interleaved with this tree's: the last four columns")
     parser.add_argument(avx2_only.FLAG, action="store_true", help=avx2_only.HELP)
     parser.add_argument("--write", help=argparse.SUPPRESS)  # the child that writes the checkpoint
     args = parser.parse_args()
@@ -388,13 +388,15 @@ def main() -> None:
         from bench_kernel_ab import build_base
 
         with tempfile.TemporaryDirectory(prefix="glm53-base-") as tmp:
-            sides.append(OnKernels(fp8, build_base(args.base, kernels.isa(), Path(tmp))))
-        base = f" | fp8 step on {args.base}'s kernels (ms) | {args.base} / this tree (max rel. difference)"
+            lib = build_base(args.base, kernels.isa(), Path(tmp))
+        sides += [OnKernels(fp8, lib), OnKernels(bf16, lib)]
+        base = "".join(f" | {name} step on {args.base}'s kernels (ms) | {args.base} / this tree (max rel. difference)"
+                       for name in ("fp8", "bf16"))
     print("| batch | bf16 step (ms) | fp8 step (ms) | speed-up | fp8 bytes read (MiB) | fp8 floor (ms) "
           "| fp8 / floor | fp8 step, weights cached (ms) | bf16 floor (ms) | bf16 / floor "
           "| read bandwidth during the steps (GB/s) "
           f"| max rel. err: fp8 (float32 / bf16 activations) / bf16{base} |")
-    print("|---" * (12 + 2 * bool(args.base)) + "|")
+    print("|---" * (12 + 4 * bool(args.base)) + "|")
     for T in args.batches:
         errors = check(fp8, bf16, args.layers, args.experts, T)
         times, bw = median_steps(sides, torch.bfloat16, T, args.layers, args.experts, args.repeat, seed=T)
@@ -412,9 +414,10 @@ def main() -> None:
                f"| {' / '.join(f'{e:.1e}' for e in errors)} |")
         if args.base:
             x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(7)).bfloat16()
-            want, got = fp8.step(x, routing).float(), sides[2].step(x, routing).float()
-            diff = ((got - want).abs().max() / want.abs().max()).item()
-            row += f" {times[2] * 1e3:.2f} | {times[2] / t_fp8:.2f}x ({diff:.1e}) |"
+            for tree, on_base, t_tree, t_base in ((fp8, sides[2], t_fp8, times[2]), (bf16, sides[3], t_bf16, times[3])):
+                want, got = tree.step(x, routing).float(), on_base.step(x, routing).float()
+                diff = ((got - want).abs().max() / want.abs().max()).item()
+                row += f" {t_base * 1e3:.2f} | {t_base / t_tree:.2f}x ({diff:.1e}) |"
         print(row, flush=True)
 
 
