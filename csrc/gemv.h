@@ -988,6 +988,28 @@ inline void dequantize_row(const E4m3* w, const float* scale_row, int64_t len, i
   }
 }
 
+#if GLM53_AVX512
+// dequantize_row into bfloat16 on a CPU with bfloat16 dot products (has_bf16_dot): 32 values a step rounded by one
+// instruction (vec.h's bf16_pack) instead of store()'s integer rounding per 16, which made a bfloat16 panel take
+// 1.7x the time of a float32 one (12288 x 4096, one Zen 5 core: 5.7 against 3.2 ms). The same values as
+// dequantize_row for every product of at least 2^-126 in magnitude (an E4M3 value times a block scale above ~2^-117).
+GLM53_BF16_DOT inline void dequantize_row_bf16(const E4m3* w, const float* scale_row, int64_t len, int64_t bk,
+                                               c10::BFloat16* out) {
+  static_assert(kE4m3Unit == 0x1p-8f, "load(E4m3) gives value * 2^-8 on avx512");
+  for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
+    const F16 s = set1(scale_row[kb] * 0x1p8f);
+    const int64_t b1 = std::min(b0 + bk, len);
+    int64_t i = b0;
+    for (; i + 2 * kLanes <= b1; i += 2 * kLanes)
+      _mm512_storeu_si512(out + i, bf16_pack((load(w + i) * s).v, (load(w + i + kLanes) * s).v));
+    for (; i < b1; i += kLanes) {
+      const int m = static_cast<int>(std::min<int64_t>(kLanes, b1 - i));
+      store(out + i, load(w + i, m) * s, m);
+    }
+  }
+}
+#endif
+
 // The block sizes and scale grid the block-FP8 ops accept ("what": the op, for the message).
 inline void check_fp8_blocks(const char* what, int64_t block_n, int64_t block_k) {
   TORCH_CHECK(block_n > 0 && block_k > 0 && block_n % kRowsPerTask == 0 && block_k % kLanes == 0, what,

@@ -182,6 +182,15 @@ GLM53_BF16_DOT inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 #endif
+// 32 floats (lo the first 16, then hi) as bfloat16, rounded to nearest even by one vcvtne2ps2bf16 (AVX512_BF16, as
+// dot_pairs). Unlike store()'s rounding it takes inputs below 2^-126 as zero and quiets a NaN by its own rule (the
+// top half with the quiet bit set rather than 0x7FC0); weights dequantized from E4M3 with a checkpoint's scales
+// never come near either.
+#if defined(GLM53_EMULATED_AVX512)
+inline __m512i bf16_pack(__m512 lo, __m512 hi) { return glm53_emulation::cvtne2ps_pbh(hi, lo); }
+#else
+GLM53_BF16_DOT inline __m512i bf16_pack(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+#endif
 
 // The bfloat16 bits of value * 2^-8 for the E4M3 magnitudes 0-127 (sign bit clear): eeee mmm with e > 0 is
 // 1.mmm * 2^(e - 15), exponent field e + 112; e = 0 is m * 2^-17 (m = 1: 2^-17, 2-3: [1, 1.5] * 2^-16, 4-7:

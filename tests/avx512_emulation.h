@@ -125,6 +125,26 @@ inline simde__m512 dpbf16_ps(simde__m512 acc, simde__m512i a, simde__m512i b) {
   return lanes_to<simde__m512>(s);
 }
 
+// AVX512_BF16's vcvtne2ps2bf16 as Intel documents it: 32 bfloat16 values, b's 16 floats in the low half and a's in
+// the high half, each rounded to nearest even; inputs below 2^-126 as zero (keeping their sign), a NaN quieted
+// (its top 16 bits with the quiet bit set).
+inline simde__m512i cvtne2ps_pbh(simde__m512 a, simde__m512 b) {
+  uint32_t bits[32];
+  lanes_of(b, *reinterpret_cast<uint32_t(*)[16]>(bits));
+  lanes_of(a, *reinterpret_cast<uint32_t(*)[16]>(bits + 16));
+  uint16_t h[32];
+  for (int i = 0; i < 32; ++i) {
+    uint32_t x = bits[i];
+    if ((x & 0x7F800000u) == 0x7F800000u && (x & 0x007FFFFFu) != 0) {
+      h[i] = static_cast<uint16_t>(x >> 16 | 0x40u);
+      continue;
+    }
+    if ((x & 0x7F800000u) == 0) x &= 0x80000000u;
+    h[i] = static_cast<uint16_t>((x + 0x7FFFu + (x >> 16 & 1u)) >> 16);
+  }
+  return lanes_to<simde__m512i>(h);
+}
+
 }  // namespace glm53_emulation
 
 #define _mm512_maskz_loadu_ps(k, p) glm53_emulation::maskz_loadu_ps(k, p)
