@@ -967,32 +967,12 @@ void row_tile_by_tokens(int nr, const Widen& widen, const char* const* rows, con
 // Block sizes are multiples of kLanes (checked by the ops), so a lane group never straddles two blocks, and a
 // task's kRowsPerTask rows, starting at a multiple of kRowsPerTask inside a part, lie in one row block.
 
-// out[i] = float(w[i]) * scale_row[i / bk], i < len: one weight row dequantized. Each value is first brought to
-// value * 2^-8 (exact: a power of two, and every E4M3 value times 2^-8 is a normal float32), then multiplied by
-// scale * 2^8 (exact), so each product is float(w) * scale rounded once: the float32 values of the reference
-// dequantization (quant/fp8_block.py), bit for bit, with no overflow for any finite scale below 2^120.
-// With a 16-bit ``out`` each value is that float32 product rounded once (to nearest even), as torch's .to() rounds
-// the reference's float32 values.
-template <typename T>
-inline void dequantize_row(const E4m3* w, const float* scale_row, int64_t len, int64_t bk, T* out) {
-  const F16 to_unit8 = set1(0x1p-8f / kE4m3Unit);
-  for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
-    const F16 s = set1(scale_row[kb] * 0x1p8f);
-    const int64_t b1 = std::min(b0 + bk, len);
-    for (int64_t i = b0; i < b1; i += kLanes) {
-      const int m = static_cast<int>(std::min<int64_t>(kLanes, b1 - i));
-      F16 v = load(w + i, m);
-      if constexpr (kE4m3Unit != 0x1p-8f) v = v * to_unit8;
-      store(out + i, v * s, m);
-    }
-  }
-}
-
 #if GLM53_AVX512
-// dequantize_row into bfloat16 on a CPU with bfloat16 dot products (has_bf16_dot): 32 values a step rounded by one
-// instruction (vec.h's bf16_pack) instead of store()'s integer rounding per 16, which made a bfloat16 panel take
-// 1.7x the time of a float32 one (12288 x 4096, one Zen 5 core: 5.7 against 3.2 ms). The same values as
-// dequantize_row for every product of at least 2^-126 in magnitude (an E4M3 value times a block scale above ~2^-117).
+// dequantize_row (below) into bfloat16 on a CPU with bfloat16 dot products (has_bf16_dot), which it calls there:
+// 32 values a step rounded by one instruction (vec.h's bf16_pack) instead of store()'s integer rounding per 16,
+// which made a bfloat16 panel take 1.7x the time of a float32 one (12288 x 4096, one Zen 5 core: 5.7 against 3.2
+// ms). The same values for every product of at least 2^-126 in magnitude (an E4M3 value times a block scale above
+// ~2^-117).
 GLM53_BF16_DOT inline void dequantize_row_bf16(const E4m3* w, const float* scale_row, int64_t len, int64_t bk,
                                                c10::BFloat16* out) {
   static_assert(kE4m3Unit == 0x1p-8f, "load(E4m3) gives value * 2^-8 on avx512");
@@ -1009,6 +989,32 @@ GLM53_BF16_DOT inline void dequantize_row_bf16(const E4m3* w, const float* scale
   }
 }
 #endif
+
+// out[i] = float(w[i]) * scale_row[i / bk], i < len: one weight row dequantized. Each value is first brought to
+// value * 2^-8 (exact: a power of two, and every E4M3 value times 2^-8 is a normal float32), then multiplied by
+// scale * 2^8 (exact), so each product is float(w) * scale rounded once: the float32 values of the reference
+// dequantization (quant/fp8_block.py), bit for bit, with no overflow for any finite scale below 2^120.
+// With a 16-bit ``out`` each value is that float32 product rounded once (to nearest even), as torch's .to() rounds
+// the reference's float32 values.
+template <typename T>
+inline void dequantize_row(const E4m3* w, const float* scale_row, int64_t len, int64_t bk, T* out) {
+#if GLM53_AVX512
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if (has_bf16_dot()) return dequantize_row_bf16(w, scale_row, len, bk, out);
+#endif
+  const F16 to_unit8 = set1(0x1p-8f / kE4m3Unit);
+  for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
+    const F16 s = set1(scale_row[kb] * 0x1p8f);
+    const int64_t b1 = std::min(b0 + bk, len);
+    for (int64_t i = b0; i < b1; i += kLanes) {
+      const int m = static_cast<int>(std::min<int64_t>(kLanes, b1 - i));
+      F16 v = load(w + i, m);
+      if constexpr (kE4m3Unit != 0x1p-8f) v = v * to_unit8;
+      store(out + i, v * s, m);
+    }
+  }
+}
+
 
 // The block sizes and scale grid the block-FP8 ops accept ("what": the op, for the message).
 inline void check_fp8_blocks(const char* what, int64_t block_n, int64_t block_k) {

@@ -368,17 +368,6 @@ void fp8_dequantize(const at::Tensor& weight_, const at::Tensor& scale_, at::Int
   const at::Tensor scale = scale_.contiguous();
   const RowsFp8 rows{reinterpret_cast<const E4m3*>(w.data_ptr()), w.stride(0), scale.data_ptr<float>(), KB, block_k};
   const std::vector<RowTask> tasks = row_tasks(parts, block_n);
-#if GLM53_AVX512
-  if (out.scalar_type() == at::kBFloat16 && has_bf16_dot()) {  // the bf16_gemm forms' panels (backends/cpu/fp8.py)
-    c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
-      for (; b < end; ++b)
-        for (int64_t r = tasks[b].row0; r < tasks[b].row0 + tasks[b].rows; ++r)
-          dequantize_row_bf16(rows.row(r), rows.scale_row(tasks[b]), K, block_k, op + r * K);
-    });
-    return;
-  }
-#endif
   GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "fp8_dequantize output", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
