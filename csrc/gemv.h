@@ -12,7 +12,7 @@
 //           32 bytes widened by shifts come out in (dot_quad_rows); one token unscaled, shared by a gate row and its
 //           up row, each column block's sums times its scale (dot_quads). bfloat16 tokens on a CPU with bfloat16
 //           dot products: the token rows as they are (in unpack order) against the E4M3 values as bfloat16, each
-//           column block's sums times its scale (dot_rows_pairs).
+//           column block's sums times its scale, a task's rows a call (dot_task_pairs).
 //   tile    for more tokens: the tokens lie across the vector lanes and a few rows at a time, dequantized a chunk
 //           of columns at a time into an L1-resident float32 buffer (dequantize_row), are broadcast against
 //           them (rows_by_tokens, below), so the conversion is paid once per weight value and pass. bfloat16
@@ -371,7 +371,7 @@ inline void scale_by_blocks(const float* x, const float* scale_row, int64_t len,
 // time against all of them (one accumulator per token): each weight is converted once instead of once per kTok
 // tokens, for twice the token loads. fp8_linear and FP8 experts at released sizes, caches flushed, 2 threads:
 // portable 1.15-1.35x faster at 3-4 tokens, avx512 1.1-1.3x at 5-8 (benchmarks/README.md; on bfloat16 pairs,
-// dot_rows_pairs below, two rows at a time measured faster on Zen 5). The sums are the same either way (every
+// dot_task_pairs below, two rows at a time measured faster on Zen 5). The sums are the same either way (every
 // accumulator adds the same products in the same order). avx2 instead takes the row pair against up to
 // kQuadTokens tokens at a time in quad order (dot_quad_rows).
 template <typename W, int A>
@@ -496,7 +496,7 @@ inline void rows_by_tokens_n(int nr, const float* rows, int64_t ld, const float*
   rows_by_tokens<R>(rows, ld, xt, len, accumulate, ahead, ahead_bytes, acc);
 }
 
-// Token rows as the direct path on bfloat16 pairs reads them (dot_block_pairs, below): bfloat16, each column block
+// Token rows as the direct path on bfloat16 pairs reads them (dot_task_pairs, below): bfloat16, each column block
 // of bk columns padded with zeros to a multiple of 64 (``block`` values), and within each 64 columns the order in
 // which vec.h's unpacked_half yields a weight's values: columns 0-7, 16-23, 32-39, 48-55, then 8-15, 24-31,
 // 40-47, 56-63. A row is ``len`` values; the padding's weights read as zero.
@@ -533,7 +533,7 @@ struct UnpackOrder {
 // (bfloat16 already) two columns at a time, two exact products per lane and instruction, twice the float32 FMA's.
 // Each column block's sums are multiplied by the block's scale as they are added to the previous blocks' (the
 // rows lie in one row block), so the weights are the exact ones, as on the float32 paths. The direct path
-// (dot_rows_pairs) streams the rows against the token rows (in unpack order, UnpackOrder above); the tile path
+// (dot_task_pairs) streams the rows against the token rows (in unpack order, UnpackOrder above); the tile path
 // (rows_by_token_pairs) widens a column block of kRowTile rows into L1 and broadcasts its pairs against the tokens
 // laid across the lanes in pairs of columns, both in unpack order too.
 
@@ -647,14 +647,16 @@ template <int R, int N, int C, bool kAheadToL2>
   else pairs_products<false>(b, xs, o, t);
 }
 
-template <int R, int N, int A, bool kAheadToL2>
-[[gnu::noinline]] GLM53_BF16_DOT void dot_block_pairs(const E4m3* const* rows, const E4m3* const* ahead,
-                                                      const c10::BFloat16* const* xs, const float* block_scales,
-                                                      int64_t scale_step, int64_t len, int64_t bk, float (*acc)[A]) {
-  static_assert(N <= A);
+// s[r][j]: the lanes' partial sums (reduce_add gives the dot product) of R rows against N tokens over ``len``
+// columns, rows[r]'s column block b scaled by scales[r][b] * 2^8.
+template <int R, int N, bool kAheadToL2>
+[[gnu::always_inline]] GLM53_BF16_DOT inline void block_pairs_sums(const E4m3* const* rows, const E4m3* const* ahead,
+                                                                    const c10::BFloat16* const* xs,
+                                                                    const float* const* scales, int64_t len,
+                                                                    int64_t bk, __m512 (&s)[R][N]) {
   constexpr int C = R * N < 4 ? 2 : 1;
   const int64_t block = unpack_block(bk);
-  __m512 s[R][N], t[C][R][N];
+  __m512 t[C][R][N];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < N; ++j) s[r][j] = _mm512_setzero_ps();
   for (int64_t b0 = 0, kb = 0; b0 < len; b0 += bk, ++kb) {
@@ -666,44 +668,74 @@ template <int R, int N, int A, bool kAheadToL2>
     for (; i + 64 <= b1; i += 64, o += 64) pairs_group<R, N, C, kAheadToL2>(rows, ahead, xs, i, o, 64, t);
     if (i < b1) pairs_group<R, N, C, kAheadToL2>(rows, ahead, xs, i, o, static_cast<int>(b1 - i), t);
     for (int r = 0; r < R; ++r) {
-      const __m512 sc = _mm512_set1_ps(block_scales[r * scale_step + kb] * 0x1p8f);
+      const __m512 sc = _mm512_set1_ps(scales[r][kb] * 0x1p8f);
       for (int j = 0; j < N; ++j)
         s[r][j] = _mm512_fmadd_ps(C > 1 ? _mm512_add_ps(t[0][r][j], t[1][r][j]) : t[0][r][j], sc, s[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < N; ++j) acc[r][j] = reduce_add(F16{s[r][j]});
 }
 
-template <int R, int N = kTok, int A>
-inline void dot_tokens_pairs(const E4m3* const* rows, const E4m3* const* ahead, const c10::BFloat16* const* xs, int n,
-                             const float* block_scales, int64_t scale_step, int64_t len, int64_t bk, float (*acc)[A]) {
-  if constexpr (N > 1)
-    if (n < N) return dot_tokens_pairs<R, N - 1>(rows, ahead, xs, n, block_scales, scale_step, len, bk, acc);
-  if (ahead_to_l2()) dot_block_pairs<R, N, A, true>(rows, ahead, xs, block_scales, scale_step, len, bk, acc);
-  else dot_block_pairs<R, N, A, false>(rows, ahead, xs, block_scales, scale_step, len, bk, acc);
-}
+// One task's rows for the direct path on bfloat16 pairs (dot_task_pairs): ``sets`` (1 or 2) sets of ``rows`` <=
+// kLanes E4M3 rows, set s's row i at base[s] + i * stride, each set's rows in one row block (scale[s]: its
+// block scales). While reading its row i, a set prefetches its row min(i + ahead, limit - 1) (limit: the rows from
+// base[s] on that exist).
+struct TaskRows {
+  const E4m3* base[2];
+  const float* scale[2];
+  int sets;
+  int64_t stride, rows, ahead, limit;
+};
 
-// dot_rows on bfloat16 pairs: 1 or 2 E4M3 rows (block_scales: the first row's scale row, the second's scale_step
-// further; bk: the column block) against n <= kPairsDirectMaxTokens bfloat16 token rows in unpack order
-// (UnpackOrder): both rows against up to kDirectMaxTokens tokens per pass
-// (each token load serves two rows), in passes of equal size. Zen 5, one core, from cache: 1.4-1.6x the weight
-// bytes per second of one row at a time at 5-8 tokens (6: 21 vs 13 GB/s, 8: 16 vs 10), although from 7 tokens a
-// pass's 4 n accumulators no longer fit the registers.
-template <int A>
-inline void dot_rows_pairs(const E4m3* const* rows, const E4m3* const* ahead, int nr, const c10::BFloat16* const* xs,
-                           int n, const float* block_scales, int64_t scale_step, int64_t len, int64_t bk,
-                           float (*acc)[A]) {
-  const int passes = static_cast<int>(ceil_div(n, kDirectMaxTokens));
-  for (int p = 0; p < passes; ++p) {
-    const int j0 = n * p / passes, m = n * (p + 1) / passes - j0;
-    float(*a)[A] = reinterpret_cast<float(*)[A]>(acc[0] + j0);  // columns j0.. of both rows
-    const E4m3* const* pf = p == 0 ? ahead : nullptr;  // the later passes find the rows in cache
-    if (nr == 2)
-      dot_tokens_pairs<2, kDirectMaxTokens>(rows, pf, xs + j0, m, block_scales, scale_step, len, bk, a);
-    else
-      dot_tokens_pairs<1, kDirectMaxTokens>(rows, pf, xs + j0, m, block_scales, 0, len, bk, a);
+// Rows row[r] of sets set[r] against the task's tokens: N1 of them, then (N2 > 0) N2 more in a second pass that
+// finds the rows in L1; their sums' lanes into sums[set][token][row].
+template <int R, int N1, int N2, bool kAheadToL2>
+[[gnu::always_inline]] GLM53_BF16_DOT inline void task_rows_sums(const TaskRows& t, const int (&set)[R],
+                                                                  const int64_t (&row)[R],
+                                                                  const c10::BFloat16* const* xs, int64_t len,
+                                                                  int64_t bk, F16 (&sums)[2][N1 + N2][kLanes]) {
+  const E4m3* rows[R];
+  const E4m3* ahead[R];
+  const float* scales[R];
+  for (int r = 0; r < R; ++r) {
+    rows[r] = t.base[set[r]] + row[r] * t.stride;
+    ahead[r] = t.base[set[r]] + std::min(row[r] + t.ahead, t.limit - 1) * t.stride;
+    scales[r] = t.scale[set[r]];
   }
+  __m512 s1[R][N1];
+  block_pairs_sums<R, N1, kAheadToL2>(rows, ahead, xs, scales, len, bk, s1);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < N1; ++j) sums[set[r]][j][row[r]] = {s1[r][j]};
+  if constexpr (N2 > 0) {
+    __m512 s2[R][N2];
+    block_pairs_sums<R, N2, kAheadToL2>(rows, nullptr, xs + N1, scales, len, bk, s2);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < N2; ++j) sums[set[r]][N1 + j][row[r]] = {s2[r][j]};
+  }
+}
+
+// out[s][j][i] = the dot product of set s's row i with token j (for i < t.rows; 0 in the later lanes) for
+// N1 + N2 bfloat16 token rows xs in unpack order, two rows at a time (a row of each set, or consecutive rows of
+// one), in one pass over the tokens (N2 = 0) or two (see task_rows_sums). The whole task in one call, its sums
+// reduced 16 rows at a time (reduce_add16): with a call per row pair and scalar reductions, 40-55 % of the time
+// went outside the loop over the columns on rows of 256-512 columns (perf, one Zen 5 core: 16 tokens over 64
+// experts of hidden 512, 1-3 tokens an expert).
+template <int N1, int N2, bool kAheadToL2>
+[[gnu::noinline]] GLM53_BF16_DOT void task_pairs(const TaskRows& t, const c10::BFloat16* const* xs, int64_t len,
+                                                 int64_t bk, float (*const* out)[kLanes]) {
+  constexpr int N = N1 + N2;
+  F16 sums[2][N][kLanes];
+  if (t.sets == 2) {
+    for (int64_t i = 0; i < t.rows; ++i) task_rows_sums<2, N1, N2, kAheadToL2>(t, {0, 1}, {i, i}, xs, len, bk, sums);
+  } else {
+    int64_t i = 0;
+    for (; i + 1 < t.rows; i += 2) task_rows_sums<2, N1, N2, kAheadToL2>(t, {0, 0}, {i, i + 1}, xs, len, bk, sums);
+    if (i < t.rows) task_rows_sums<1, N1, N2, kAheadToL2>(t, {0}, {i}, xs, len, bk, sums);
+  }
+  for (int s = 0; s < t.sets; ++s)
+    for (int j = 0; j < N; ++j) {
+      for (int64_t i = t.rows; i < kLanes; ++i) sums[s][j][i] = zero();
+      store(out[s][j], reduce_add16(sums[s][j]));
+    }
 }
 
 // acc[r] = (acc[r] if ``accumulate``) + scale * sum_k rows[r * ld + k] * token k, for R bfloat16 rows against token
@@ -751,12 +783,31 @@ inline void rows_by_token_pairs_n(int nr, const c10::BFloat16* rows, int64_t ld,
 }
 #endif
 
-// Tokens up to which block-FP8 products on the bfloat16 pairs take the direct path (dot_rows_pairs) rather than the
+// Tokens up to which block-FP8 products on the bfloat16 pairs take the direct path (dot_task_pairs) rather than the
 // tile path, which costs the same for any count up to a token group's kLanes. Zen 5, released sizes, caches
 // flushed, 2 threads, bfloat16 tokens, time on the tile path / direct: fp8_linear 12288 x 4096 1.37 / 1.19-1.31 /
 // 1.09-1.14 / 0.90 / 0.83 at 9 / 10 / 12 / 14 / 16 tokens; four experts with as many tokens each 1.39 / 1.15-1.37 /
 // 1.08-1.21 / 0.85 / 0.89.
 constexpr int64_t kPairsDirectMaxTokens = GLM53_AVX512 ? 12 : kE4m3DirectMaxTokens;
+
+#if GLM53_AVX512
+// task_pairs for n <= kPairsDirectMaxTokens tokens xs (out: as there): one pass up to kDirectMaxTokens, else two of
+// n / 2 and the rest.
+template <bool kAheadToL2, int N = kPairsDirectMaxTokens>
+inline void task_pairs_n(const TaskRows& t, const c10::BFloat16* const* xs, int n, int64_t len, int64_t bk,
+                         float (*const* out)[kLanes]) {
+  if constexpr (N > 1)
+    if (n < N) return task_pairs_n<kAheadToL2, N - 1>(t, xs, n, len, bk, out);
+  static_assert(N <= 2 * kDirectMaxTokens);
+  constexpr int n1 = N <= kDirectMaxTokens ? N : N / 2;
+  task_pairs<n1, N - n1, kAheadToL2>(t, xs, len, bk, out);
+}
+inline void dot_task_pairs(const TaskRows& t, const c10::BFloat16* const* xs, int n, int64_t len, int64_t bk,
+                           float (*const* out)[kLanes]) {
+  if (ahead_to_l2()) task_pairs_n<true>(t, xs, n, len, bk, out);
+  else task_pairs_n<false>(t, xs, n, len, bk, out);
+}
+#endif
 
 // With AMX tiles (amx.h) the tile path costs about the same for any count up to a group's 16, so the direct path
 // keeps only the counts where it reads the rows as fast. fp8_linear 4096 x 4096 from the L3, one core

@@ -131,7 +131,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
   GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "linear output", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     // Block-FP8 rows and bfloat16 tokens on a CPU with bfloat16 dot products: the direct path takes them as they
-    // are (in unpack order), against the E4M3 values as bfloat16 (gemv.h's dot_rows_pairs), up to
+    // are (in unpack order), against the E4M3 values as bfloat16 (gemv.h's dot_task_pairs), up to
     // kPairsDirectMaxTokens tokens.
     constexpr bool kMayPair = std::is_same_v<W, E4m3> && std::is_same_v<scalar_t, c10::BFloat16>;
     const bool direct_pairs = kMayPair && bf16_pairs(at::kBFloat16, K);
@@ -197,8 +197,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
     }
     // Every task's rows two at a time: make_dot() gives each thread a dot(task, pair, next, nr, acc) that fills
     // acc[i][j] for the nr rows and the M tokens (``next``: the rows to prefetch meanwhile, or null).
-    constexpr int64_t kMaxDirect = std::max(Rows::kDirectMax, kMayPair ? kPairsDirectMaxTokens : int64_t{0});
-    using Acc = float[2][kMaxDirect];
+    using Acc = float[2][Rows::kDirectMax];
     const int64_t ahead = 2 * rows_ahead(2 * K * static_cast<int64_t>(sizeof(W)));  // rows, a pair at a time
     const auto row_pairs = [&](const auto& make_dot) {
       at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
@@ -223,21 +222,27 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
 #if GLM53_AVX512
     // Block-FP8 rows and bfloat16 tokens on a CPU with bfloat16 dot products: the tokens as they are (in unpack
     // order), against the E4M3 values as bfloat16, each column block's sums times its scale (gemv.h's
-    // dot_rows_pairs). 12288 x 4096, Zen 4, 2 threads: 1.7-1.8x faster at 4 and 8 tokens than the float32 path.
+    // dot_task_pairs). 12288 x 4096, Zen 4, 2 threads: 1.7-1.8x faster at 4 and 8 tokens than the float32 path.
     if constexpr (kMayPair) {
       if (direct_pairs) {
         const UnpackOrder order(K, rows.column_block());
         const at::Tensor xb = at::zeros({M, order.len}, x.options().dtype(at::kBFloat16));
-        const c10::BFloat16* xs[kMaxDirect];
+        const c10::BFloat16* xs[kPairsDirectMaxTokens];
         for (int64_t j = 0; j < M; ++j) {
           order.put(xp + j * K, xb.data_ptr<c10::BFloat16>() + j * order.len);  // exact: the tokens were bfloat16
           xs[j] = xb.data_ptr<c10::BFloat16>() + j * order.len;
         }
-        row_pairs([&] {
-          return [&](const RowTask& task, const W* const* pair, const W* const* next, int nr, Acc& acc) {
-            dot_rows_pairs(pair, next, nr, xs, static_cast<int>(M), rows.scale_row(task), 0, K, rows.column_block(),
-                           acc);
-          };
+        // a task (kRowsPerTask rows in one row block) a call, its sums stored a vector per token
+        at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
+          alignas(64) float sums[kPairsDirectMaxTokens][kLanes];
+          float(*const out[2])[kLanes] = {sums, nullptr};
+          for (; b < end; ++b) {
+            const RowTask& task = tasks[b];
+            const TaskRows task_rows{{rows.row(task.row0), nullptr}, {rows.scale_row(task), nullptr}, 1, rows.ws,
+                                     task.rows, ahead, N - task.row0};
+            dot_task_pairs(task_rows, xs, static_cast<int>(M), K, rows.column_block(), out);
+            for (int64_t j = 0; j < M; ++j) store(op + j * N + task.row0, load(sums[j]), static_cast<int>(task.rows));
+          }
         });
         return;
       }
@@ -268,7 +273,7 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
           if (task.scale_row != prepared_for) rows.scale_tokens(task, xp, M, K, xs_buf.data());
           prepared_for = task.scale_row;
         }
-        const float* xs[kMaxDirect];
+        const float* xs[Rows::kDirectMax];
         for (int64_t j = 0; j < M; ++j) xs[j] = scaled_tokens ? xs_buf.data() + j * direct_len(K) : xp + j * K;
         dot_rows(pair, next, nr, xs, static_cast<int>(M), K, acc);
       };

@@ -619,7 +619,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     std::vector<float> tile(pairs ? 0 : kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
     const TileBuffer<c10::BFloat16> tile16(
         pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
-    float sums[2][kPairsDirectMaxTokens];  // the direct path's
+    float sums[2][kE4m3DirectMaxTokens];  // the float32 direct paths'
     TaskSums<std::max({kPairsDirectMaxTokens, kE4m3DirectMaxTokens, kAcrossLanesMinTokens - 1})> task_sums;
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
 #if GLM53_AVX2
@@ -656,9 +656,11 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         const int n = static_cast<int>(c1 - c0);
         const c10::BFloat16* xs[kPairsDirectMaxTokens];
         for (int j = 0; j < n; ++j) xs[j] = xop + xo_row[token_at[c0 + j]] * x_order.len;
-        gate_up_rows(n, [&](const E4m3* const* rows, const E4m3* const* next) {
-          dot_rows_pairs(rows, next, 2, xs, n, gate_scale, up_scale - gate_scale, D, block_k, sums);
-        });
+        const TaskRows rows{{row(false, task.row0), row(true, task.row0)}, {gate_scale, up_scale}, 2, s13r,
+                            task.rows, ahead, I - task.row0};
+        float(*const out[2])[kLanes] = {task_sums.gate, task_sums.up};
+        dot_task_pairs(rows, xs, n, D, block_k, out);
+        put_task_h(n);
         continue;
       }
       if (pairs && lanes.groups(e) > 0) {  // the experts tile_tokens laid out
@@ -708,7 +710,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         const float* xgs[kE4m3DirectMaxTokens];
         const float* xus[kE4m3DirectMaxTokens];
         for (int j = 0; j < n; ++j) xgs[j] = xg + j * Dq, xus[j] = xu + j * Dq;
-        float gate_sums[2][kPairsDirectMaxTokens];
+        float gate_sums[2][kE4m3DirectMaxTokens];
         for (int64_t r = task.row0; r < last; r += 2) {
           const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
           const E4m3* gate[2] = {row(false, r), row(false, r + nr - 1)};
@@ -760,7 +762,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     std::vector<float> tile(down_pairs ? 0 : kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
     const TileBuffer<c10::BFloat16> tile16(
         down_pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
-    float acc_direct[2][kPairsDirectMaxTokens];
+    float acc_direct[2][kE4m3DirectMaxTokens];
     const float* hs[kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;
 #if GLM53_AVX2
@@ -792,9 +794,12 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         const int n = static_cast<int>(c1 - c0);
         const c10::BFloat16* hs16[kPairsDirectMaxTokens];
         for (int j = 0; j < n; ++j) hs16[j] = hbp + (c0 + j) * h_order.len;
-        row_pairs(n, [&](const E4m3* const* rows, const E4m3* const* next, int nr) {
-          dot_rows_pairs(rows, next, nr, hs16, n, scale, 0, I, block_k, acc_direct);
-        });
+        const TaskRows rows{{we + task.row0 * s2r, nullptr}, {scale, nullptr}, 1, s2r, task.rows, down_ahead,
+                            D - task.row0};
+        alignas(64) float sums[kPairsDirectMaxTokens][kLanes];
+        float(*const out[2])[kLanes] = {sums, nullptr};
+        dot_task_pairs(rows, hs16, n, I, block_k, out);
+        for (int j = 0; j < n; ++j) store(yp + (c0 + j) * D + task.row0, load(sums[j]), static_cast<int>(task.rows));
         continue;
       }
       if (down_pairs && lanes.groups(e) > 0) {  // the experts tile_tokens laid out: past direct_max tokens

@@ -162,3 +162,5 @@ inline simde__m512i cvtne2ps_pbh(simde__m512 a, simde__m512 b) {
 #define _mm512_cvtph_ps(a) glm53_emulation::cvtph_ps(a)
 #define _mm512_cvtps_ph(a, rounding) GLM53_EMULATION_CVTPS_PH(a, rounding)
 #define _mm512_reduce_max_ps(a) glm53_emulation::reduce_max_ps(a)
+// implemented by SIMDe 0.7 but not aliased to its usual name
+#define _mm512_shuffle_f32x4(a, b, imm) simde_mm512_shuffle_f32x4(a, b, imm)
