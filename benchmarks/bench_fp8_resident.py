@@ -14,7 +14,8 @@ weights are quantized from random values and written to a safetensors file; each
 the serving model does:
 
 * ``fp8``: E4M3 bytes and float32 block scales, as ``CpuFp8Experts`` and ``CpuBlockFp8LinearMethod`` keep them;
-  the step runs the compiled ``moe_experts_fp8`` and ``fp8_linear``;
+  the step runs the compiled ``moe_experts_fp8`` and ``fp8_linear``, and each MLP (the dense layer's, the shared
+  expert) as one ``mlp_fp8`` call up to ``MLP_FP8_MAX_TOKENS`` tokens, as the model's ``Glm5NextMLP`` does;
 * ``bf16``: every weight dequantized to bfloat16 (the default model dtype) as ``StackedExperts`` and vLLM's
   unquantized linears keep them; the step runs the ``routed_experts`` op (compiled kernel for decode batches,
   per-expert GEMMs above its threshold) and its linears as vLLM's ``ReplicatedLinear`` layers after loading:
@@ -164,17 +165,20 @@ class Fp8Side:
     def step(self, x, routing, compiled: bool = True):
         linear = fp8_ops.fp8_linear if compiled else fp8_ops.fp8_linear_torch
         experts = fp8_ops.routed_experts_fp8 if compiled else fp8_ops.routed_experts_fp8_torch
+
+        def mlp(x, gate_up, down):  # as the model's Glm5NextMLP runs (quant/linear.py's fp8_mlp)
+            (w, s, parts), (wd, sd) = gate_up, down
+            if compiled and x.shape[0] <= fp8_ops.MLP_FP8_MAX_TOKENS:
+                return fp8_ops.mlp_fp8(x, w, s, wd, sd, LIMIT, BLOCK).to(x.dtype)
+            return linear(moe.clamped_swiglu(linear(x, w, s, parts, BLOCK), LIMIT), wd, sd, [HIDDEN], BLOCK)
+
         for i, entry in enumerate(self.layers):
             if entry[0] == "dense":
-                (w, s, parts), (wd, sd) = entry[1], entry[2]
-                h = moe.clamped_swiglu(linear(x, w, s, parts, BLOCK), LIMIT)
-                x = x + linear(h, wd, sd, [HIDDEN], BLOCK)
+                x = x + mlp(x, entry[1], entry[2])
                 continue
-            (w13, s13, w2, s2), (w, s, parts), (wd, sd) = entry[1:]
             ids, weights = routing[i]
-            routed = experts(x, w13, s13, w2, s2, ids, weights, LIMIT, BLOCK)
-            shared = linear(moe.clamped_swiglu(linear(x, w, s, parts, BLOCK), LIMIT), wd, sd, [HIDDEN], BLOCK)
-            x = x + (routed.to(x.dtype) + shared)
+            routed = experts(x, *entry[1], ids, weights, LIMIT, BLOCK)
+            x = x + (routed.to(x.dtype) + mlp(x, entry[2], entry[3]))
         return x
 
     def bytes_read(self, routing) -> int:

@@ -263,11 +263,13 @@ def _vary_block_scales(path, seed=0):
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-def ragged_fp8_case(tiny_ckpt, tmp_path):
-    """The flat-layout FP8 checkpoint of RAGGED sizes with its attention inputs in FP8 too and varied block
-    scales, some prompts, and transformers' greedy tokens on its dequantized twin: ``(path, prompts, want)``."""
+def ragged_fp8_case(tiny_ckpt, tmp_path, overrides=RAGGED):
+    """The flat-layout FP8 checkpoint of RAGGED sizes (or ``overrides``) with its attention inputs in FP8 too and
+    varied block scales, some prompts, and transformers' greedy tokens on its dequantized twin:
+    ``(path, prompts, want)``."""
     path = tmp_path / "fp8-ragged"
-    shutil.copytree(tiny_ckpt("fp8-ragged", fp8=True, overrides=RAGGED, seed=3, layout="flat"), path)
+    name = "fp8-ragged" + "".join(f"-{k}{v}" for k, v in overrides.items() if RAGGED.get(k) != v)
+    shutil.copytree(tiny_ckpt(name, fp8=True, overrides=overrides, seed=3, layout="flat"), path)
     _quantize_attention_inputs(path)
     _vary_block_scales(path)
     prompts = prompt_set(path, LENGTHS[::2])
@@ -291,14 +293,18 @@ def test_fp8_weights_of_several_ragged_blocks_match_the_dequantized_reference(ti
 @pytest.mark.engine
 def test_fp8_fused_attention_inputs_under_tensor_parallel_2(tiny_ckpt, tmp_path):
     """The ragged FP8 checkpoint on two TP ranks: the fused layers of the attention inputs stay whole on every rank
-    (``disable_tp``) in each weight form, next to the experts' and MLPs' slices (dequantized at load here: a
-    rank's 100 intermediate rows start inside a block)."""
-    path, prompts, want = ragged_fp8_case(tiny_ckpt, tmp_path)
+    (``disable_tp``) in each weight form, next to the experts' and the shared expert's slices (dequantized at load
+    here: a rank's 36 intermediate rows start inside a block). The dense MLP's intermediate size is 256 here, so
+    each rank's half is whole blocks and stays FP8: at decode it runs as one call (quant/linear.py's fp8_mlp) whose
+    partial sum the MLP all-reduces itself."""
+    dense = "model.layers.0.mlp.gate_up_proj.weight.dtype"
+    path, prompts, want = ragged_fp8_case(tiny_ckpt, tmp_path, {**RAGGED, "intermediate_size": 256})
     got, values = run_engine(path, prompts, 12, logprobs=1, engine={"tensor_parallel_size": 2},
                              env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-                             probe=probe("model_attributes", paths=[f"{FUSED_QKV_A}.dtype"]))
+                             probe=probe("model_attributes", paths=[f"{FUSED_QKV_A}.dtype", dense]))
     from vllm_glm53.backends.cpu import kernels
 
     form = "torch.float8_e4m3fn" if kernels.ops() is not None else "torch.float32"
     assert [v[f"{FUSED_QKV_A}.dtype"] for v in values] == [form, form], values
+    assert [v[dense] for v in values] == [form, form], values
     assert_parity(got, want)

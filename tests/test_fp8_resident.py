@@ -453,6 +453,52 @@ def test_fused_linear_layer_keeps_the_checkpoint_bytes_and_runs_the_kernel():
                                        "E4M3 kernel reads fewer bytes",)) in decisions()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_mlp_of_fp8_layers_runs_as_one_call_at_decode_sizes(dtype):
+    """``fp8_mlp`` (what Glm5NextMLP runs first): gate | up (ragged 200-row parts) and down as vLLM layers with the
+    CPU plan give down(clamped_swiglu(gate_up(x))) in one kernel call up to MLP_FP8_MAX_TOKENS tokens, and
+    decline past them (the layers then run one after the other)."""
+    from vllm_glm53 import _vllm, testing
+    from vllm_glm53.backends.dispatch import decisions
+    from vllm_glm53.quant.fp8 import BlockFp8Weight, block_fp8_parts
+    from vllm_glm53.quant.linear import fp8_mlp
+
+    gen = _gen(23)
+    D, inter = 320, 200
+    ckpt = {"gate_proj": _quantized(inter, D, gen), "up_proj": _quantized(inter, D, gen),
+            "down_proj": _quantized(D, inter, gen)}
+    with testing.standalone_model_parallel():
+        plan = _plan({f"m.{name}" for name in ckpt})
+        gate_up = _vllm.MergedColumnParallelLinear(D, [inter, inter], bias=False, quant_config=plan,
+                                                   prefix="m.gate_up_proj")
+        down = _vllm.RowParallelLinear(inter, D, bias=False, quant_config=plan, prefix="m.down_proj")
+        for layer, names in ((gate_up, ("gate_proj", "up_proj")), (down, ("down_proj",))):
+            params = dict(layer.named_parameters())
+            for shard, name in enumerate(names):
+                for leaf, part in block_fp8_parts(BlockFp8Weight(*ckpt[name]), params):
+                    loader = params[leaf].weight_loader
+                    loader(params[leaf], part, shard) if len(names) > 1 else loader(params[leaf], part)
+            testing.finish_loading(layer)
+        for T in (1, 5, 16, fp8_ops.MLP_FP8_MAX_TOKENS):
+            x = (4 * torch.randn(T, D, generator=gen)).to(dtype)
+            got = fp8_mlp(gate_up, down, x, SWIGLU_LIMIT)
+            assert got.dtype == dtype and got.shape == (T, D)
+            w13 = torch.cat([fp8_ops.dequantize_parts(*ckpt[n], [inter], BLOCK, torch.float64)
+                             for n in ("gate_proj", "up_proj")])
+            h = moe.clamped_swiglu(x.double() @ w13.t(), SWIGLU_LIMIT)
+            if dtype == torch.bfloat16:  # the kernel rounds h to the tokens' dtype (as the experts' h)
+                h = h.to(dtype).double()
+            want = h @ fp8_ops.dequantize_parts(*ckpt["down_proj"], [D], BLOCK, torch.float64).t()
+            # measured (ulps of max|reference|, avx2 / portable / avx512, also emulated): float32 5.1 / 5.2 / 6.0,
+            # bfloat16 0.22 / 0.0 / 0.22 (the output's rounding)
+            if dtype == torch.float32:
+                _close(got.double(), want, ulps=F32_ULPS * 16)
+            else:
+                _close(got, want.to(dtype), ulps=2)
+        assert fp8_mlp(gate_up, down, x[:1].expand(fp8_ops.MLP_FP8_MAX_TOKENS + 1, D), SWIGLU_LIMIT) is None
+    assert any(d[0] == "routed_experts_fp8" and d[1] == "compiled" for d in decisions())
+
+
 def test_expert_layer_keeps_the_checkpoint_bytes():
     """CpuFp8Experts filled from per-expert checkpoint tensors (ragged I = 72): E4M3 stacks, gate and up scales
     in their own block rows, and the forward of the dequantized reference."""

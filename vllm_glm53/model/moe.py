@@ -35,6 +35,7 @@ from vllm_glm53.config import TextArch
 from vllm_glm53.model.moe_routing import clamped_swiglu, local_expert_pairs
 from vllm_glm53.quant import experts as quant_experts
 from vllm_glm53.quant.fp8 import BlockFp8Weight
+from vllm_glm53.quant.linear import fp8_mlp
 from vllm_glm53.quant.plan import LayerQuant, layer_quant
 
 logger = logging.getLogger("vllm_glm53")
@@ -56,8 +57,12 @@ class Glm5NextMLP(nn.Module):
             prefix=f"{prefix}.down_proj"
         )
         self.swiglu_limit = swiglu_limit
+        self.all_reduce = reduce_results and get_tensor_model_parallel_world_size() > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = fp8_mlp(self.gate_up_proj, self.down_proj, x, self.swiglu_limit)  # FP8-resident on CPU, decode
+        if out is not None:
+            return tensor_model_parallel_all_reduce(out) if self.all_reduce else out
         gate_up, _ = self.gate_up_proj(x)
         out, _ = self.down_proj(clamped_swiglu(gate_up, self.swiglu_limit))
         return out

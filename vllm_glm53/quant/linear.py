@@ -190,6 +190,21 @@ class CpuBlockFp8LinearMethod(_vllm.LinearMethodBase):
         return out.reshape(*shape[:-1], out.shape[-1])
 
 
+def fp8_mlp(gate_up, down, x: torch.Tensor, limit: float) -> torch.Tensor | None:
+    """``down(clamped_swiglu(gate_up(x)))`` in one compiled call (backends/cpu/fp8.py's ``mlp_fp8``) where both
+    linear layers keep block-FP8 weights on the CPU and ``x`` ``[T, D]`` is decode-sized; this rank's partial sum in
+    x's dtype (down's all-reduce left to the caller). None elsewhere: the layers run one after the other."""
+    from vllm_glm53.backends.cpu.fp8 import MLP_FP8_MAX_TOKENS, mlp_fp8
+
+    method = gate_up.quant_method
+    if (x.dim() != 2 or x.shape[0] > MLP_FP8_MAX_TOKENS or not isinstance(method, CpuBlockFp8LinearMethod)
+            or not isinstance(down.quant_method, CpuBlockFp8LinearMethod)
+            or getattr(gate_up, "fp8_dequantized", False) or getattr(down, "fp8_dequantized", False)):
+        return None
+    return mlp_fp8(x, gate_up.weight, gate_up.weight_scale_inv, down.weight, down.weight_scale_inv, limit,
+                   method.block_size).to(x.dtype)
+
+
 @_vllm.register_weight_loader_v2_supported_method
 class W8A8LinearMethod(_vllm.LinearMethodBase):
     """A linear layer with an msmodelslim W8A8_DYNAMIC weight: ``npu_quant_matmul`` on Ascend, the reference
