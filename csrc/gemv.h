@@ -10,9 +10,9 @@
 //           dotted with the E4M3 rows as they stream in (vec.h's E4M3 load), so every weight byte is read once
 //           and converted once (dot_rows); nothing is written but the results. avx2: the token rows in the order
 //           32 bytes widened by shifts come out in (dot_quad_rows); one token unscaled, shared by a gate row and its
-//           up row, each column block's sums times its scale (dot_quads). bfloat16 tokens on a CPU with bfloat16
-//           dot products: the token rows as they are (in unpack order) against the E4M3 values as bfloat16, each
-//           column block's sums times its scale, a task's rows a call (dot_task_pairs).
+//           up row, each column block's sums times its scale, a task's rows a call (task_quads). bfloat16 tokens
+//           on a CPU with bfloat16 dot products: the token rows as they are (in unpack order) against the E4M3
+//           values as bfloat16, each column block's sums times its scale, a task's rows a call (dot_task_pairs).
 //   tile    for more tokens: the tokens lie across the vector lanes and a few rows at a time, dequantized a chunk
 //           of columns at a time into an L1-resident float32 buffer (dequantize_row), are broadcast against
 //           them (rows_by_tokens, below), so the conversion is paid once per weight value and pass. bfloat16
@@ -135,6 +135,17 @@ template <int R, int N, typename W, int A, bool kRowTokens = false>
     }
 }
 
+// One task's rows for the direct paths that take a task a call (task_quads, dot_task_pairs): ``sets`` (1 or 2)
+// sets of ``rows`` <= kLanes E4M3 rows, set s's row i at base[s] + i * stride, each set's rows in one row block
+// (scale[s]: its block scales). While reading its row i, a set prefetches its row min(i + ahead, limit - 1)
+// (limit: the rows from base[s] on that exist).
+struct TaskRows {
+  const E4m3* base[2];
+  const float* scale[2];
+  int sets;
+  int64_t stride, rows, ahead, limit;
+};
+
 #if GLM53_AVX2
 // avx2, E4M3 rows, 32 bytes at a time: the bytes widen to four 8-float vectors with 16-bit shifts alone. An
 // arithmetic shift right by 4 puts the top byte of each 16-bit half where float32 has its exponent and mantissa
@@ -148,7 +159,7 @@ template <int R, int N, typename W, int A, bool kRowTokens = false>
 // same loop with both halves of both rows kept in registers, which spilled sums) (benchmarks/README.md).
 constexpr int64_t kQuad = 32;  // columns a load widens
 inline int64_t quad_len(int64_t len) { return ceil_div(len, kQuad) * kQuad; }
-// Whether dot_quads takes column blocks of bk columns (whole groups of kQuad).
+// Whether task_quads takes column blocks of bk columns (whole groups of kQuad).
 inline bool quads_fit(int64_t bk) { return bk % kQuad == 0; }
 
 // The two 16-bit-shifted forms of 32 E4M3 bytes v that quad_float masks: half 0 has bytes 3 and 1 at the tops of
@@ -268,15 +279,16 @@ template <int N, int A, bool kRowTokens = false>
     }
 }
 
-// acc[r][0] = sum over column blocks kb of scale_rows[r][kb] * dot(rows[r], x) over the block, for 2 rows of len
-// E4M3 bytes (block_k a multiple of kQuad: quads_fit) and one token xq in quad order, unscaled (quad_order without
-// a scale row): a gate row and its up row share the token, the scales go on the column blocks' sums. A standalone
-// loop on Zen 3, a row pair against one token from memory: 4.9-5.3 weights a cycle against 3.5-4.1 for dot_block
-// with a scaled token row per row. ``ahead`` as in dot_block.
-template <int A>
-[[gnu::noinline]] void dot_quads(const E4m3* const* rows, const E4m3* const* ahead, const float* xq,
-                                 const float* const* scale_rows, int64_t len, int64_t bk, float (*acc)[A]) {
-  __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+// total[r] = sum over column blocks kb of scale_rows[r][kb] * (the lanes' partial sums of rows[r] times x over the
+// block; reduce_add8 gives the dot product), for 2 rows of len E4M3 bytes (block_k a multiple of kQuad: quads_fit)
+// and one token xq in quad order, unscaled (quad_order without a scale row): a gate row and its up row share the
+// token, the scales go on the column blocks' sums. A standalone loop on Zen 3, a row pair against one token from
+// memory: 4.9-5.3 weights a cycle against 3.5-4.1 for dot_block with a scaled token row per row. ``ahead`` as in
+// dot_block.
+[[gnu::always_inline]] inline void quads_sums(const E4m3* const* rows, const E4m3* const* ahead, const float* xq,
+                                              const float* const* scale_rows, int64_t len, int64_t bk,
+                                              __m256 (&total)[2]) {
+  total[0] = total[1] = _mm256_setzero_ps();
   // the 32 bytes v[r] of each row against the token's 32 values at x, into the block's sums p[r][0..1]
   const auto group = [&](const __m256i* v, const float* x, __m256 (*p)[2]) __attribute__((always_inline)) {
     __m256i half[2][2];
@@ -292,8 +304,7 @@ template <int A>
     __m256 p[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
     int64_t i = b0;
     for (; i + kQuad <= b1; i += kQuad) {
-      if (ahead != nullptr)
-        for (int r = 0; r < 2; ++r) __builtin_prefetch(ahead[r] + i);
+      for (int r = 0; r < 2; ++r) __builtin_prefetch(ahead[r] + i);
       const __m256i v[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[0] + i)),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[1] + i))};
       group(v, xq + i, p);
@@ -308,7 +319,43 @@ template <int A>
     for (int r = 0; r < 2; ++r)
       total[r] = _mm256_fmadd_ps(_mm256_add_ps(p[r][0], p[r][1]), _mm256_set1_ps(scale_rows[r][kb]), total[r]);
   }
-  for (int r = 0; r < 2; ++r) acc[r][0] = reduce_add8(total[r]) * kE4m3SumScale;
+}
+
+// out[s][0][i] = the dot product of set s's row i (for i < t.rows; 0 in the later lanes) with one token xq in quad
+// order, unscaled, each column block's sums times its scale (quads_sums): the task's rows two at a time (a row of
+// each set, or consecutive rows of one). The whole task in one call, its sums reduced 8 rows at a time
+// (reduce_add8x8): with a call per row pair and scalar reductions, ~40 % of the time went outside the loop over
+// the columns on rows of 256-512 columns (perf, one Zen 5 core as an AVX2 CPU: one token over 64 experts of hidden
+// 512).
+[[gnu::noinline]] inline void task_quads(const TaskRows& t, const float* xq, int64_t len, int64_t bk,
+                                         float (*const* out)[kLanes]) {
+  __m256 sums[2][kLanes];
+  const auto pair = [&](const int (&set)[2], const int64_t (&row)[2]) __attribute__((always_inline)) {
+    const E4m3* rows[2];
+    const E4m3* ahead[2];
+    const float* scales[2];
+    for (int r = 0; r < 2; ++r) {
+      rows[r] = t.base[set[r]] + row[r] * t.stride;
+      ahead[r] = t.base[set[r]] + std::min(row[r] + t.ahead, t.limit - 1) * t.stride;
+      scales[r] = t.scale[set[r]];
+    }
+    __m256 total[2];
+    quads_sums(rows, ahead, xq, scales, len, bk, total);
+    for (int r = 0; r < 2; ++r) sums[set[r]][row[r]] = total[r];
+  };
+  if (t.sets == 2) {
+    for (int64_t i = 0; i < t.rows; ++i) pair({0, 1}, {i, i});
+  } else {
+    int64_t i = 0;
+    for (; i + 1 < t.rows; i += 2) pair({0, 0}, {i, i + 1});
+    if (i < t.rows) pair({0, 0}, {i, i});  // an odd last row: both halves of the pair
+  }
+  const __m256 unit = _mm256_set1_ps(kE4m3SumScale);
+  for (int s = 0; s < t.sets; ++s) {
+    for (int64_t i = t.rows; i < kLanes; ++i) sums[s][i] = _mm256_setzero_ps();
+    _mm256_storeu_ps(out[s][0], _mm256_mul_ps(reduce_add8x8(sums[s]), unit));
+    _mm256_storeu_ps(out[s][0] + 8, _mm256_mul_ps(reduce_add8x8(sums[s] + 8), unit));
+  }
 }
 #endif
 
@@ -674,17 +721,6 @@ template <int R, int N, bool kAheadToL2>
     }
   }
 }
-
-// One task's rows for the direct path on bfloat16 pairs (dot_task_pairs): ``sets`` (1 or 2) sets of ``rows`` <=
-// kLanes E4M3 rows, set s's row i at base[s] + i * stride, each set's rows in one row block (scale[s]: its
-// block scales). While reading its row i, a set prefetches its row min(i + ahead, limit - 1) (limit: the rows from
-// base[s] on that exist).
-struct TaskRows {
-  const E4m3* base[2];
-  const float* scale[2];
-  int sets;
-  int64_t stride, rows, ahead, limit;
-};
 
 // Rows row[r] of sets set[r] against the task's tokens: N1 of them, then (N2 > 0) N2 more in a second pass that
 // finds the rows in L1; their sums' lanes into sums[set][token][row].

@@ -219,6 +219,21 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
         }
       });
     };
+    // Block-FP8 rows (fp8: rows, as RowsFp8), a task a call: dot(task rows, out) fills out[0][j] with the task's
+    // sums against token j (gemv.h's task_quads and dot_task_pairs), stored a vector per token.
+    const auto task_calls = [&](const auto& fp8, const auto& dot) {
+      at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
+        alignas(64) float sums[kPairsDirectMaxTokens][kLanes];
+        float(*const out[2])[kLanes] = {sums, nullptr};
+        for (; b < end; ++b) {
+          const RowTask& task = tasks[b];
+          dot(TaskRows{{fp8.row(task.row0), nullptr}, {fp8.scale_row(task), nullptr}, 1, fp8.ws, task.rows, ahead,
+                       N - task.row0},
+              out);
+          for (int64_t j = 0; j < M; ++j) store(op + j * N + task.row0, load(sums[j]), static_cast<int>(task.rows));
+        }
+      });
+    };
 #if GLM53_AVX512
     // Block-FP8 rows and bfloat16 tokens on a CPU with bfloat16 dot products: the tokens as they are (in unpack
     // order), against the E4M3 values as bfloat16, each column block's sums times its scale (gemv.h's
@@ -232,17 +247,8 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
           order.put(xp + j * K, xb.data_ptr<c10::BFloat16>() + j * order.len);  // exact: the tokens were bfloat16
           xs[j] = xb.data_ptr<c10::BFloat16>() + j * order.len;
         }
-        // a task (kRowsPerTask rows in one row block) a call, its sums stored a vector per token
-        at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
-          alignas(64) float sums[kPairsDirectMaxTokens][kLanes];
-          float(*const out[2])[kLanes] = {sums, nullptr};
-          for (; b < end; ++b) {
-            const RowTask& task = tasks[b];
-            const TaskRows task_rows{{rows.row(task.row0), nullptr}, {rows.scale_row(task), nullptr}, 1, rows.ws,
-                                     task.rows, ahead, N - task.row0};
-            dot_task_pairs(task_rows, xs, static_cast<int>(M), K, rows.column_block(), out);
-            for (int64_t j = 0; j < M; ++j) store(op + j * N + task.row0, load(sums[j]), static_cast<int>(task.rows));
-          }
+        task_calls(rows, [&](const TaskRows& task_rows, float (*const* out)[kLanes]) {
+          dot_task_pairs(task_rows, xs, static_cast<int>(M), K, rows.column_block(), out);
         });
         return;
       }
@@ -250,16 +256,13 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
 #endif
 #if GLM53_AVX2
     // Block-FP8 rows against one token: the token in quad order, each column block's sums times its scale
-    // (gemv.h's dot_quads).
+    // (gemv.h's task_quads).
     if constexpr (std::is_same_v<W, E4m3>) {
       if (M == 1 && quads_fit(rows.column_block())) {
         std::vector<float> xq(quad_len(K));
         quad_order(xp, K, xq.data());
-        row_pairs([&] {
-          return [&](const RowTask& task, const W* const* pair, const W* const* next, int, Acc& acc) {
-            const float* scale_rows[2] = {rows.scale_row(task), rows.scale_row(task)};
-            dot_quads(pair, next, xq.data(), scale_rows, K, rows.column_block(), acc);
-          };
+        task_calls(rows, [&](const TaskRows& task_rows, float (*const* out)[kLanes]) {
+          task_quads(task_rows, xq.data(), K, rows.column_block(), out);
         });
         return;
       }

@@ -26,7 +26,7 @@
 // moe_experts_fp8 is the same computation on block-FP8 weights kept as E4M3 bytes. Below kAcrossLanesMinTokens
 // it has two forms: at most kE4m3DirectMaxTokens tokens, the direct path (tokens pre-multiplied by the row block's
 // scales, E4M3 rows converted as they stream; on avx2 up to 28 tokens, one token with the scales on the sums
-// instead (gemv.h's dot_quads: a gate row and its up row share the token), with bfloat16 pairs in both steps up to
+// instead (gemv.h's task_quads: a gate row and its up row share the token), with bfloat16 pairs in both steps up to
 // kPairsDirectMaxTokens, past kAcrossLanesMinTokens too); more (only where the direct path stops below
 // kAcrossLanesMinTokens: the portable build's 5-6 tokens), each row dequantized into L1 and dotted with kTok tokens
 // at a time. The tile path dequantizes its rows. It serves every batch size, prefill included: there is no
@@ -623,7 +623,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     TaskSums<std::max({kPairsDirectMaxTokens, kE4m3DirectMaxTokens, kAcrossLanesMinTokens - 1})> task_sums;
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
 #if GLM53_AVX2
-    const bool quads = quads_fit(block_k);  // one token: gemv.h's dot_quads, the token in quad order (xq)
+    const bool quads = quads_fit(block_k);  // one token: gemv.h's task_quads, the token in quad order (xq)
     const std::unique_ptr<float[]> xq(new float[quads ? quad_len(D) : 0]);
     int64_t quad_for = -1;  // the token xq holds
 #endif
@@ -681,10 +681,11 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
 #if GLM53_AVX2
       if (c1 - c0 == 1 && quads) {  // the gate and up rows share the token, each row block's scales on its sums
         if (quad_for != token_at[c0]) quad_order(xp + token_at[c0] * D, D, xq.get()), quad_for = token_at[c0];
-        const float* scale_rows[2] = {gate_scale, up_scale};
-        gate_up_rows(1, [&](const E4m3* const* rows, const E4m3* const* next) {
-          dot_quads(rows, next, xq.get(), scale_rows, D, block_k, sums);
-        });
+        const TaskRows rows{{row(false, task.row0), row(true, task.row0)}, {gate_scale, up_scale}, 2, s13r,
+                            task.rows, ahead, I - task.row0};
+        float(*const out[2])[kLanes] = {task_sums.gate, task_sums.up};
+        task_quads(rows, xq.get(), D, block_k, out);
+        put_task_h(1);
         continue;
       }
 #endif
@@ -766,7 +767,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     const float* hs[kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;
 #if GLM53_AVX2
-    const bool quads = quads_fit(block_k);  // one token: dot_quads, as in step 1
+    const bool quads = quads_fit(block_k);  // one token: task_quads, as in step 1
     const std::unique_ptr<float[]> hq(new float[quads ? quad_len(I) : 0]);
     int64_t quad_for = -1;  // the (token, choice) pair whose h row hq holds
 #endif
@@ -813,10 +814,12 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
 #if GLM53_AVX2
       if (c1 - c0 == 1 && quads) {
         if (quad_for != c0) quad_order(hp + c0 * I, I, hq.get()), quad_for = c0;
-        const float* scale_rows[2] = {scale, scale};
-        row_pairs(1, [&](const E4m3* const* rows, const E4m3* const* next, int) {
-          dot_quads(rows, next, hq.get(), scale_rows, I, block_k, acc_direct);
-        });
+        const TaskRows rows{{we + task.row0 * s2r, nullptr}, {scale, nullptr}, 1, s2r, task.rows, down_ahead,
+                            D - task.row0};
+        alignas(32) float sums[1][kLanes];
+        float(*const out[2])[kLanes] = {sums, nullptr};
+        task_quads(rows, hq.get(), I, block_k, out);
+        store(yp + c0 * D + task.row0, load(sums[0]), static_cast<int>(task.rows));
         continue;
       }
 #endif

@@ -385,6 +385,20 @@ inline float reduce_add8(__m256 s8) {  // from the quarters on
   return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
 }
 inline float reduce_add(F16 a) { return reduce_add8(_mm256_add_ps(a.hi, a.lo)); }
+// reduce_add8 of 8 vectors at once: lane i of the result is reduce_add8(v[i]), bit for bit (the same tree, lanes 4
+// apart, then 2 and 1) in 21 shuffles and adds. As in the avx512 path's reduce_add16, the rows go in with bits 0
+// and 1 of their index swapped, which puts row i's sum in lane i.
+inline __m256 reduce_add8x8(const __m256* v) {
+  constexpr auto slot = [](int i) { return (i & 0b100) | (i & 1) << 1 | (i & 2) >> 1; };
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i) {  // lanes 4 apart: the low 128 bits of both plus their high ones
+    const __m256 x = v[slot(i)], y = v[slot(i + 4)];
+    a[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+  }
+  for (int i = 0; i < 2; ++i)  // 2 apart, within 128-bit lanes
+    b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[i], a[i + 2], 0x44), _mm256_shuffle_ps(a[i], a[i + 2], 0xEE));
+  return _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], 0x88), _mm256_shuffle_ps(b[0], b[1], 0xDD));  // 1 apart
+}
 inline float reduce_max(F16 a) {
   const __m256 s8 = _mm256_max_ps(a.hi, a.lo);
   const __m128 s4 = _mm_max_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));

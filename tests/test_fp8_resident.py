@@ -104,10 +104,11 @@ def test_block_scales_far_from_one(exponent, M):
 # ---------------------------------------------------------------------------------------------------------
 
 # (parts, K): exact blocks; one ragged part in both directions; fused ragged parts (the second starts inside a
-# block row of the fused weight, its scales at row 2); three parts and a K below one lane group's multiple; two
-# parts larger than a panel (K = 320: 3,276 rows), so panels end inside parts and inside row blocks; a K of two
-# column chunks of the tile path (512 each), the second ending in a ragged block.
-LINEAR_SHAPES = [([256], 256), ([200], 320), ([200, 200], 320), ([72, 128, 40], 100), ([3300, 3500], 320),
+# block row of the fused weight, its scales at row 2); three parts and a K below one lane group's multiple, the
+# last part odd (a task of 9 rows: the direct paths' row pairs end on a row alone); two parts larger than a panel
+# (K = 320: 3,276 rows), so panels end inside parts and inside row blocks; a K of two column chunks of the tile
+# path (512 each), the second ending in a ragged block.
+LINEAR_SHAPES = [([256], 256), ([200], 320), ([200, 200], 320), ([72, 128, 41], 100), ([3300, 3500], 320),
                  ([200], 700)]
 
 
