@@ -221,10 +221,13 @@ inline void quad_order(const float* x, int64_t len, float* out, const float* sca
 // bytes, from the L1 (Zen 3, a row pair from the L2, one core: 2.0-2.25 weights a cycle against 1.7; the same
 // form at 4 tokens 1.02x, within the spread, so up to 4 tokens the halves stay in registers). ``ahead`` as in
 // dot_block.
-template <int N, int A, bool kRowTokens = false>
-[[gnu::noinline]] void dot_quad_rows(const E4m3* const* rows, const E4m3* const* ahead, const float* const* xs,
-                                     int64_t len, float (*acc)[A], int64_t row_step = 0) {
-  static_assert(N <= A && (!kRowTokens || N == 1));
+// quad_rows_sums: sum[r][j], the lanes' partial sums (reduce_add8 gives the dot product, times kE4m3SumScale);
+// dot_quad_rows: the dot products.
+template <int N, bool kRowTokens = false>
+[[gnu::always_inline]] inline void quad_rows_sums(const E4m3* const* rows, const E4m3* const* ahead,
+                                                  const float* const* xs, int64_t len, __m256 (&sum)[2][N],
+                                                  int64_t row_step = 0) {
+  static_assert(!kRowTokens || N == 1);
   constexpr int C = N == 1 ? 4 : N == 2 ? 2 : 1;
   __m256 s[C][2][N];
   for (int c = 0; c < C; ++c)
@@ -273,10 +276,18 @@ template <int N, int A, bool kRowTokens = false>
   }
   for (int r = 0; r < 2; ++r)
     for (int j = 0; j < N; ++j) {
-      __m256 sum = s[0][r][j];
-      for (int c = 1; c < C; ++c) sum = _mm256_add_ps(sum, s[c][r][j]);
-      acc[r][j] = reduce_add8(sum) * kE4m3SumScale;
+      sum[r][j] = s[0][r][j];
+      for (int c = 1; c < C; ++c) sum[r][j] = _mm256_add_ps(sum[r][j], s[c][r][j]);
     }
+}
+template <int N, int A, bool kRowTokens = false>
+[[gnu::noinline]] void dot_quad_rows(const E4m3* const* rows, const E4m3* const* ahead, const float* const* xs,
+                                     int64_t len, float (*acc)[A], int64_t row_step = 0) {
+  static_assert(N <= A);
+  __m256 sum[2][N];
+  quad_rows_sums<N, kRowTokens>(rows, ahead, xs, len, sum, row_step);
+  for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < N; ++j) acc[r][j] = reduce_add8(sum[r][j]) * kE4m3SumScale;
 }
 
 // total[r] = sum over column blocks kb of scale_rows[r][kb] * (the lanes' partial sums of rows[r] times x over the
@@ -369,7 +380,7 @@ inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> cons
 }
 
 // Tokens up to which block-FP8 products take the direct path. avx2: 28, in passes of at most kQuadTokens
-// (dot_rows). The tile path costs the same for any count up to a token group's 16 (its lanes past the tokens
+// (dot_task_rows). The tile path costs the same for any count up to a token group's 16 (its lanes past the tokens
 // multiply zeros) and again for 17-32, the direct path grows with the tokens. AMD Zen 3, released sizes
 // (fp8_linear 12288 x 4096, 4 experts with as many tokens each), caches flushed, 2 threads, the tile path's time /
 // the direct path's: 2.0x at 8 tokens, 1.7x at 10, 1.2-1.5x at 12, 1.1-1.3x at 13-15, 1.1x at 16, 1.65-1.74x at
@@ -380,7 +391,7 @@ inline void dot_tokens(const W* const* rows, std::type_identity_t<const W*> cons
 constexpr int64_t kE4m3DirectMaxTokens = GLM53_AVX2 ? 28 : kDirectMaxTokens;
 
 #if GLM53_AVX2
-// Tokens dot_quad_rows takes at a time (dot_rows): at most 5, a row pair's 10 sums (6 would take 12 of the 16
+// Tokens dot_quad_rows takes at a time (dot_task_rows): at most 5, a row pair's 10 sums (6 would take 12 of the 16
 // registers; at 5 the rows' bytes are loaded once for each half).
 constexpr int kQuadTokens = 5;
 #endif
@@ -419,39 +430,18 @@ inline void scale_by_blocks(const float* x, const float* scale_row, int64_t len,
 // tokens, for twice the token loads. fp8_linear and FP8 experts at released sizes, caches flushed, 2 threads:
 // portable 1.15-1.35x faster at 3-4 tokens, avx512 1.1-1.3x at 5-8 (benchmarks/README.md; on bfloat16 pairs,
 // dot_task_pairs below, two rows at a time measured faster on Zen 5). The sums are the same either way (every
-// accumulator adds the same products in the same order). avx2 instead takes the row pair against up to
-// kQuadTokens tokens at a time in quad order (dot_quad_rows).
+// accumulator adds the same products in the same order). avx2 reads E4M3 rows against tokens in quad order
+// instead (dot_task_rows).
 template <typename W, int A>
 inline void dot_rows(const W* const* rows, std::type_identity_t<const W*> const* ahead, int nr,
                      const float* const* xs, int n, int64_t len, float (*acc)[A]) {
+  static_assert(!(GLM53_AVX2 && std::is_same_v<W, E4m3>), "avx2 reads E4M3 rows with dot_task_rows");
   if constexpr (std::is_same_v<W, E4m3>) {
-#if GLM53_AVX2
-    // passes of 4 tokens, the most products a weight and cycle (Zen 3, dot_quad_rows), then 3 (6: 3 + 3, 10:
-    // 3 + 3 + 4), a 5 rather than a pass of 1 (9: 5 + 4); the later passes find the rows in cache
-    for (int j0 = 0; j0 < n;) {
-      const int left = n - j0, rest = left % 4;
-      const int g = rest == 0 ? 4 : rest == 3 || (rest == 2 && left >= 6) ? 3 : rest == 2 ? 2 : left >= 5 ? 5 : 1;
-      const E4m3* const* pf = j0 == 0 ? ahead : nullptr;
-      float part[2][kQuadTokens];
-      switch (g) {
-        case 1: dot_quad_rows<1>(rows, pf, xs + j0, len, part); break;
-        case 2: dot_quad_rows<2>(rows, pf, xs + j0, len, part); break;
-        case 3: dot_quad_rows<3>(rows, pf, xs + j0, len, part); break;
-        case 4: dot_quad_rows<4>(rows, pf, xs + j0, len, part); break;
-        default: dot_quad_rows<5>(rows, pf, xs + j0, len, part); break;
-      }
-      for (int r = 0; r < nr; ++r)
-        for (int j = 0; j < g; ++j) acc[r][j0 + j] = part[r][j];
-      j0 += g;
-    }
-    return;
-#else
     if (n > kTok) {
       for (int r = 0; r < nr; ++r)
         dot_tokens<1, kE4m3DirectMaxTokens>(rows + r, ahead != nullptr ? ahead + r : nullptr, xs, n, len, acc + r);
       return;
     }
-#endif
   }
   float part[2][kTok];
   for (int j0 = 0; j0 < n; j0 += kTok) {
@@ -476,6 +466,74 @@ inline void dot_row_tokens(const E4m3* const* rows, const E4m3* const* ahead, co
   dot_block<2, 1, E4m3, A, true>(rows, ahead, xs, len, acc, row_step);
 #endif
 }
+
+// A task's E4M3 rows (TaskRows, its scales unused) against n <= kE4m3DirectMaxTokens token rows per set, xs[s][j]:
+// scale_by_blocks rows of set s's row block. out[s][j][i] = dot(set s's row i, xs[s][j]) for i < t.rows (0 in the
+// later lanes): two rows of a set at a time, the sets in turn. avx2: the row pair against up to kQuadTokens tokens
+// a pass in quad order, passes of 4 tokens, the most products a weight and cycle (Zen 3, dot_quad_rows), then 3
+// (6: 3 + 3, 10: 3 + 3 + 4), a 5 rather than a pass of 1 (9: 5 + 4); the later passes find the rows in cache. Its
+// sums wait as vectors and are reduced 8 rows at a time (reduce_add8x8), as in task_quads. Elsewhere dot_rows.
+#if GLM53_AVX2
+template <int G>
+[[gnu::always_inline]] inline void quad_pass(const E4m3* const* rows, const E4m3* const* ahead, const float* const* xs,
+                                             int64_t len, int64_t i, __m256 (*sums)[kLanes]) {
+  __m256 part[2][G];
+  quad_rows_sums<G>(rows, ahead, xs, len, part);
+  for (int r = 0; r < 2; ++r)
+    for (int j = 0; j < G; ++j) sums[j][i + r] = part[r][j];
+}
+[[gnu::noinline]] inline void dot_task_rows(const TaskRows& t, const float* const* const* xs, int n, int64_t len,
+                                            float (*const* out)[kLanes]) {
+  static_assert(kQuadTokens == 5, "the passes below");
+  __m256 sums[2][kE4m3DirectMaxTokens][kLanes];
+  for (int64_t i = 0; i < t.rows; i += 2) {
+    const int64_t i1 = std::min(i + 1, t.rows - 1);  // an odd last row: both halves of the pair
+    for (int s = 0; s < t.sets; ++s) {
+      const E4m3* rows[2] = {t.base[s] + i * t.stride, t.base[s] + i1 * t.stride};
+      const E4m3* ahead[2] = {t.base[s] + std::min(i + t.ahead, t.limit - 1) * t.stride,
+                              t.base[s] + std::min(i1 + t.ahead, t.limit - 1) * t.stride};
+      for (int j0 = 0; j0 < n;) {
+        const int left = n - j0, rest = left % 4;
+        const int g = rest == 0 ? 4 : rest == 3 || (rest == 2 && left >= 6) ? 3 : rest == 2 ? 2 : left >= 5 ? 5 : 1;
+        const E4m3* const* pf = j0 == 0 ? ahead : nullptr;
+        switch (g) {
+          case 1: quad_pass<1>(rows, pf, xs[s] + j0, len, i, sums[s] + j0); break;
+          case 2: quad_pass<2>(rows, pf, xs[s] + j0, len, i, sums[s] + j0); break;
+          case 3: quad_pass<3>(rows, pf, xs[s] + j0, len, i, sums[s] + j0); break;
+          case 4: quad_pass<4>(rows, pf, xs[s] + j0, len, i, sums[s] + j0); break;
+          default: quad_pass<5>(rows, pf, xs[s] + j0, len, i, sums[s] + j0); break;
+        }
+        j0 += g;
+      }
+    }
+  }
+  const __m256 unit = _mm256_set1_ps(kE4m3SumScale);
+  for (int s = 0; s < t.sets; ++s)
+    for (int j = 0; j < n; ++j) {
+      for (int64_t i = t.rows; i < kLanes; ++i) sums[s][j][i] = _mm256_setzero_ps();
+      _mm256_storeu_ps(out[s][j], _mm256_mul_ps(reduce_add8x8(sums[s][j]), unit));
+      _mm256_storeu_ps(out[s][j] + 8, _mm256_mul_ps(reduce_add8x8(sums[s][j] + 8), unit));
+    }
+}
+#else
+inline void dot_task_rows(const TaskRows& t, const float* const* const* xs, int n, int64_t len,
+                          float (*const* out)[kLanes]) {
+  float acc[2][kE4m3DirectMaxTokens];
+  for (int64_t i = 0; i < t.rows; i += 2) {
+    const int nr = static_cast<int>(std::min<int64_t>(2, t.rows - i));
+    for (int s = 0; s < t.sets; ++s) {
+      const E4m3* rows[2] = {t.base[s] + i * t.stride, t.base[s] + (i + nr - 1) * t.stride};
+      const E4m3* ahead[2] = {t.base[s] + std::min(i + t.ahead, t.limit - 1) * t.stride,
+                              t.base[s] + std::min(i + nr - 1 + t.ahead, t.limit - 1) * t.stride};
+      dot_rows(rows, ahead, nr, xs[s], n, len, acc);
+      for (int j = 0; j < n; ++j)
+        for (int r = 0; r < nr; ++r) out[s][j][i + r] = acc[r][j];
+    }
+  }
+  for (int s = 0; s < t.sets; ++s)
+    for (int j = 0; j < n; ++j) std::fill(out[s][j] + t.rows, out[s][j] + kLanes, 0.0f);
+}
+#endif
 
 // ---- tokens across the lanes (linear.cpp's tile path) ------------------------------------------------------
 // The dot products above put a weight row's values across the lanes: every kTok tokens load the row again and

@@ -195,39 +195,19 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
           [](const RowTask&) -> const float* { return nullptr; });
       return;
     }
-    // Every task's rows two at a time: make_dot() gives each thread a dot(task, pair, next, nr, acc) that fills
-    // acc[i][j] for the nr rows and the M tokens (``next``: the rows to prefetch meanwhile, or null).
-    using Acc = float[2][Rows::kDirectMax];
-    const int64_t ahead = 2 * rows_ahead(2 * K * static_cast<int64_t>(sizeof(W)));  // rows, a pair at a time
-    const auto row_pairs = [&](const auto& make_dot) {
+    const int64_t ahead = rows_ahead(K * static_cast<int64_t>(sizeof(W)));  // rows on, in the stream of rows
+    // Block-FP8 rows (fp8: rows, as RowsFp8), a task a call: make_dot() gives each thread a dot(task, task rows,
+    // out) that fills out[0][j] with the task's sums against token j (gemv.h's task_quads, dot_task_pairs and
+    // dot_task_rows), stored a vector per token.
+    const auto task_calls = [&](const auto& fp8, const auto& make_dot) {
       at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
         auto dot = make_dot();
-        Acc acc;
-        for (; b < end; ++b) {
-          const RowTask& task = tasks[b];
-          const int64_t last = task.row0 + task.rows;
-          for (int64_t r = task.row0; r < last; r += 2) {
-            const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
-            const W* pair[2] = {rows.row(r), rows.row(r + nr - 1)};
-            const int64_t rn = std::min(r + ahead, N - 2);
-            const int64_t ra = std::max<int64_t>(rn, 0);  // rn < 0 (one row): nothing to prefetch
-            const W* next[2] = {rows.row(ra), rows.row(ra + 1)};
-            dot(task, pair, rn >= 0 ? next : nullptr, nr, acc);
-            for (int64_t j = 0; j < M; ++j)
-              for (int i = 0; i < nr; ++i) op[j * N + r + i] = static_cast<scalar_t>(acc[i][j]);
-          }
-        }
-      });
-    };
-    // Block-FP8 rows (fp8: rows, as RowsFp8), a task a call: dot(task rows, out) fills out[0][j] with the task's
-    // sums against token j (gemv.h's task_quads and dot_task_pairs), stored a vector per token.
-    const auto task_calls = [&](const auto& fp8, const auto& dot) {
-      at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
-        alignas(64) float sums[kPairsDirectMaxTokens][kLanes];
+        alignas(64) float sums[std::max(kPairsDirectMaxTokens, kE4m3DirectMaxTokens)][kLanes];
         float(*const out[2])[kLanes] = {sums, nullptr};
         for (; b < end; ++b) {
           const RowTask& task = tasks[b];
-          dot(TaskRows{{fp8.row(task.row0), nullptr}, {fp8.scale_row(task), nullptr}, 1, fp8.ws, task.rows, ahead,
+          dot(task,
+              TaskRows{{fp8.row(task.row0), nullptr}, {fp8.scale_row(task), nullptr}, 1, fp8.ws, task.rows, ahead,
                        N - task.row0},
               out);
           for (int64_t j = 0; j < M; ++j) store(op + j * N + task.row0, load(sums[j]), static_cast<int>(task.rows));
@@ -247,8 +227,10 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
           order.put(xp + j * K, xb.data_ptr<c10::BFloat16>() + j * order.len);  // exact: the tokens were bfloat16
           xs[j] = xb.data_ptr<c10::BFloat16>() + j * order.len;
         }
-        task_calls(rows, [&](const TaskRows& task_rows, float (*const* out)[kLanes]) {
-          dot_task_pairs(task_rows, xs, static_cast<int>(M), K, rows.column_block(), out);
+        task_calls(rows, [&] {
+          return [&](const RowTask&, const TaskRows& task_rows, float (*const* out)[kLanes]) {
+            dot_task_pairs(task_rows, xs, static_cast<int>(M), K, rows.column_block(), out);
+          };
         });
         return;
       }
@@ -261,26 +243,51 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
       if (M == 1 && quads_fit(rows.column_block())) {
         std::vector<float> xq(quad_len(K));
         quad_order(xp, K, xq.data());
-        task_calls(rows, [&](const TaskRows& task_rows, float (*const* out)[kLanes]) {
-          task_quads(task_rows, xq.data(), K, rows.column_block(), out);
+        task_calls(rows, [&] {
+          return [&](const RowTask&, const TaskRows& task_rows, float (*const* out)[kLanes]) {
+            task_quads(task_rows, xq.data(), K, rows.column_block(), out);
+          };
         });
         return;
       }
     }
 #endif
-    row_pairs([&] {
-      // consecutive tasks of a thread mostly share a row block: scale the tokens once per block
-      return [&, xs_buf = std::vector<float>(scaled_tokens ? M * direct_len(K) : 0), prepared_for = int64_t{-1}](
-                 const RowTask& task, const W* const* pair, const W* const* next, int nr, Acc& acc) mutable {
-        if constexpr (scaled_tokens) {
+    if constexpr (scaled_tokens) {
+      task_calls(rows, [&] {
+        // consecutive tasks of a thread mostly share a row block: scale the tokens once per block
+        return [&, xs_buf = std::vector<float>(M * direct_len(K)), prepared_for = int64_t{-1}](
+                   const RowTask& task, const TaskRows& task_rows, float (*const* out)[kLanes]) mutable {
           if (task.scale_row != prepared_for) rows.scale_tokens(task, xp, M, K, xs_buf.data());
           prepared_for = task.scale_row;
+          const float* xs[Rows::kDirectMax];
+          for (int64_t j = 0; j < M; ++j) xs[j] = xs_buf.data() + j * direct_len(K);
+          const float* const* token_rows[2] = {xs, nullptr};
+          dot_task_rows(task_rows, token_rows, static_cast<int>(M), K, out);
+        };
+      });
+      return;
+    } else {
+      // 16-bit rows, two at a time against the M tokens
+      const float* xs[Rows::kDirectMax];
+      for (int64_t j = 0; j < M; ++j) xs[j] = xp + j * K;
+      at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t end) {
+        float acc[2][Rows::kDirectMax];
+        for (; b < end; ++b) {
+          const RowTask& task = tasks[b];
+          const int64_t last = task.row0 + task.rows;
+          for (int64_t r = task.row0; r < last; r += 2) {
+            const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
+            const W* pair[2] = {rows.row(r), rows.row(r + nr - 1)};
+            const int64_t rn = std::min(r + ahead, N - 2);
+            const int64_t ra = std::max<int64_t>(rn, 0);  // rn < 0 (one row): nothing to prefetch
+            const W* next[2] = {rows.row(ra), rows.row(ra + 1)};
+            dot_rows(pair, rn >= 0 ? next : nullptr, nr, xs, static_cast<int>(M), K, acc);
+            for (int64_t j = 0; j < M; ++j)
+              for (int i = 0; i < nr; ++i) op[j * N + r + i] = static_cast<scalar_t>(acc[i][j]);
+          }
         }
-        const float* xs[Rows::kDirectMax];
-        for (int64_t j = 0; j < M; ++j) xs[j] = scaled_tokens ? xs_buf.data() + j * direct_len(K) : xp + j * K;
-        dot_rows(pair, next, nr, xs, static_cast<int>(M), K, acc);
-      };
-    });
+      });
+    }
   });
 }
 

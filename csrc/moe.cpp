@@ -606,8 +606,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
                                   pairs ? &x_order : nullptr,
                                   down_pairs ? &h_order : nullptr);
   const int64_t chunk = ceil_div(kColumnChunk, block_k) * block_k;  // tile columns: whole scale blocks
-  // Rows the direct paths prefetch ahead, as in moe_experts (pair_ahead: of step 1's gate and up row pairs).
-  const int64_t ahead = rows_ahead(D), pair_ahead = 2 * rows_ahead(2 * D), down_ahead = 2 * rows_ahead(2 * I);
+  // Rows the direct paths prefetch ahead in each stream of rows (TaskRows): kAheadBytes on (rows_ahead).
+  const int64_t ahead = rows_ahead(D), down_ahead = rows_ahead(I);
 
   // 1. h = clamped_swiglu(W13_e x): a task's rows lie in one gate row block and the same up row block.
   const std::vector<Task> up_tasks = expert_tasks(count, I);
@@ -711,17 +711,11 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         const float* xgs[kE4m3DirectMaxTokens];
         const float* xus[kE4m3DirectMaxTokens];
         for (int j = 0; j < n; ++j) xgs[j] = xg + j * Dq, xus[j] = xu + j * Dq;
-        float gate_sums[2][kE4m3DirectMaxTokens];
-        for (int64_t r = task.row0; r < last; r += 2) {
-          const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
-          const E4m3* gate[2] = {row(false, r), row(false, r + nr - 1)};
-          const E4m3* up[2] = {row(true, r), row(true, r + nr - 1)};
-          dot_rows(gate, up, nr, xgs, n, D, gate_sums);  // prefetches the up rows, read next
-          const int64_t rn = std::min(r + pair_ahead, I - 2);
-          const E4m3* next[2] = {row(false, rn), row(false, rn + 1)};
-          dot_rows(up, rn >= 0 ? next : nullptr, nr, xus, n, D, sums);
-          for (int i = 0; i < nr; ++i) task_sums.put(r + i - task.row0, 0, n, gate_sums[i], sums[i]);
-        }
+        const float* const* xs[2] = {xgs, xus};
+        const TaskRows rows{{row(false, task.row0), row(true, task.row0)}, {gate_scale, up_scale}, 2, s13r,
+                            task.rows, ahead, I - task.row0};
+        float(*const out[2])[kLanes] = {task_sums.gate, task_sums.up};
+        dot_task_rows(rows, xs, n, D, out);
         put_task_h(n);
         continue;
       }
@@ -763,7 +757,6 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     std::vector<float> tile(down_pairs ? 0 : kRowTile * chunk), acc(kTilePassGroups * kRowTile * kLanes);
     const TileBuffer<c10::BFloat16> tile16(
         down_pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
-    float acc_direct[2][kE4m3DirectMaxTokens];
     const float* hs[kE4m3DirectMaxTokens];
     int64_t scaled_for = -1;
 #if GLM53_AVX2
@@ -777,19 +770,6 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const E4m3* we = w2p + e * s2e;
       const float* scale = s2p + (e * nbD + task.row0 / block_n) * kbI;
       const auto bytes = [&](int64_t r) { return reinterpret_cast<const char*>(we + r * s2r); };
-      // The task's rows two at a time against the expert's n tokens: dot(rows, next, nr) fills
-      // acc_direct[0, nr)[0, n) (``next``: the pair to prefetch meanwhile, or null).
-      const auto row_pairs = [&](int n, const auto& dot) {
-        for (int64_t r = task.row0; r < last; r += 2) {
-          const int nr = static_cast<int>(std::min<int64_t>(2, last - r));
-          const E4m3* rows[2] = {we + r * s2r, we + (r + nr - 1) * s2r};
-          const int64_t rn = std::min(r + down_ahead, D - 2);
-          const E4m3* next[2] = {we + rn * s2r, we + (rn + 1) * s2r};
-          dot(rows, rn >= 0 ? next : nullptr, nr);
-          for (int j = 0; j < n; ++j)
-            for (int i = 0; i < nr; ++i) yp[(c0 + j) * D + r + i] = acc_direct[i][j];
-        }
-      };
 #if GLM53_AVX512
       if (down_pairs && c1 - c0 <= direct_max) {
         const int n = static_cast<int>(c1 - c0);
@@ -830,9 +810,13 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           scaled_for = e * nbD + task.row0 / block_n;
         }
         for (int j = 0; j < n; ++j) hs[j] = buf.get() + j * Iq;
-        row_pairs(n, [&](const E4m3* const* rows, const E4m3* const* next, int nr) {
-          dot_rows(rows, next, nr, hs, n, I, acc_direct);
-        });
+        const float* const* xs[2] = {hs, nullptr};
+        const TaskRows rows{{we + task.row0 * s2r, nullptr}, {scale, nullptr}, 1, s2r, task.rows, down_ahead,
+                            D - task.row0};
+        alignas(32) float sums[kE4m3DirectMaxTokens][kLanes];
+        float(*const out[2])[kLanes] = {sums, nullptr};
+        dot_task_rows(rows, xs, n, I, out);
+        for (int j = 0; j < n; ++j) store(yp + (c0 + j) * D + task.row0, load(sums[j]), static_cast<int>(task.rows));
         continue;
       }
       if (c1 - c0 < kAcrossLanesMinTokens) {
