@@ -135,10 +135,10 @@ template <int R, int N, typename W, int A, bool kRowTokens = false>
     }
 }
 
-// One task's rows for the direct paths that take a task a call (task_quads, dot_task_pairs): ``sets`` (1 or 2)
-// sets of ``rows`` <= kLanes E4M3 rows, set s's row i at base[s] + i * stride, each set's rows in one row block
-// (scale[s]: its block scales). While reading its row i, a set prefetches its row min(i + ahead, limit - 1)
-// (limit: the rows from base[s] on that exist).
+// One task's rows for the direct paths that take a task a call (task_quads, dot_task_rows, dot_task_pairs):
+// ``sets`` (1 or 2) sets of ``rows`` <= kLanes E4M3 rows, set s's row i at base[s] + i * stride, each set's rows in
+// one row block (scale[s]: its block scales). While reading its row i, a set prefetches its row min(i + ahead,
+// limit - 1) (limit: the rows from base[s] on that exist).
 struct TaskRows {
   const E4m3* base[2];
   const float* scale[2];
@@ -809,10 +809,12 @@ template <int R, int N1, int N2, bool kAheadToL2>
 
 // out[s][j][i] = the dot product of set s's row i with token j (for i < t.rows; 0 in the later lanes) for
 // N1 + N2 bfloat16 token rows xs in unpack order, two rows at a time (a row of each set, or consecutive rows of
-// one), in one pass over the tokens (N2 = 0) or two (see task_rows_sums). The whole task in one call, its sums
-// reduced 16 rows at a time (reduce_add16): with a call per row pair and scalar reductions, 40-55 % of the time
-// went outside the loop over the columns on rows of 256-512 columns (perf, one Zen 5 core: 16 tokens over 64
-// experts of hidden 512, 1-3 tokens an expert).
+// one: each token load serves both; Zen 5, one core, from cache, 1.4-1.6x the weight bytes per second of one row
+// at a time at 5-8 tokens, 6: 21 against 13 GB/s, 8: 16 against 10, although from 7 tokens a pass's 4 N
+// accumulators no longer fit the registers), in one pass over the tokens (N2 = 0) or two (task_pairs_n; see
+// task_rows_sums). The whole task in one call, its sums reduced 16 rows at a time (reduce_add16): with a call per
+// row pair and scalar reductions, 40-55 % of the time went outside the loop over the columns on rows of 256-512
+// columns (perf, one Zen 5 core: 16 tokens over 64 experts of hidden 512, 1-3 tokens an expert).
 template <int N1, int N2, bool kAheadToL2>
 [[gnu::noinline]] GLM53_BF16_DOT void task_pairs(const TaskRows& t, const c10::BFloat16* const* xs, int64_t len,
                                                  int64_t bk, float (*const* out)[kLanes]) {

@@ -265,7 +265,6 @@ void run_linear(const at::Tensor& x, const std::vector<RowTask>& tasks, const Ro
           dot_task_rows(task_rows, token_rows, static_cast<int>(M), K, out);
         };
       });
-      return;
     } else {
       // 16-bit rows, two at a time against the M tokens
       const float* xs[Rows::kDirectMax];

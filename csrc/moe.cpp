@@ -619,8 +619,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     std::vector<float> tile(pairs ? 0 : kRowTile * chunk), acc(2 * kTilePassGroups * kRowTile * kLanes);
     const TileBuffer<c10::BFloat16> tile16(
         pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
-    float sums[2][kE4m3DirectMaxTokens];  // the float32 direct paths'
+    float sums[2][1];  // the one-token float32 path's (dot_row_tokens)
     TaskSums<std::max({kPairsDirectMaxTokens, kE4m3DirectMaxTokens, kAcrossLanesMinTokens - 1})> task_sums;
+    float(*const to_task_sums[2])[kLanes] = {task_sums.gate, task_sums.up};
     int64_t scaled_for = -1;  // the (expert, row block) whose scaled tokens buf holds
 #if GLM53_AVX2
     const bool quads = quads_fit(block_k);  // one token: gemv.h's task_quads, the token in quad order (xq)
@@ -635,31 +636,19 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const float* up_scale = gate_scale + nbI * kbD;
       const auto row = [&](bool up, int64_t r) { return we + ((up ? I : 0) + r) * s13r; };
       const auto bytes = [&](bool up, int64_t r) { return reinterpret_cast<const char*>(row(up, r)); };
+      // The task's gate rows and up rows, for the direct paths that take a task a call (their sums into task_sums)
+      const TaskRows gate_up{{row(false, task.row0), row(true, task.row0)}, {gate_scale, up_scale}, 2, s13r,
+                             task.rows, ahead, I - task.row0};
       // h of the expert's n tokens from the task's sums (task_sums)
       const auto put_task_h = [&](int64_t n) {
         task_sums.swiglu(n, task.rows, limit, [&](int64_t j, F16 h) { put_h(c0 + j, task.row0, task.rows, h); });
-      };
-      // The task's rows, a gate row and its up row at a time, against the expert's n tokens: dot(rows, next) fills
-      // sums[0..1][0, n) (``next``: the pair to prefetch meanwhile).
-      const auto gate_up_rows = [&](int n, const auto& dot) {
-        for (int64_t r = task.row0; r < last; ++r) {
-          const int64_t rn = std::min(r + ahead, I - 1);
-          const E4m3* rows[2] = {row(false, r), row(true, r)};
-          const E4m3* next[2] = {row(false, rn), row(true, rn)};
-          dot(rows, next);
-          task_sums.put(r - task.row0, 0, n, sums[0], sums[1]);
-        }
-        put_task_h(n);
       };
 #if GLM53_AVX512
       if (pairs && c1 - c0 <= direct_max) {
         const int n = static_cast<int>(c1 - c0);
         const c10::BFloat16* xs[kPairsDirectMaxTokens];
         for (int j = 0; j < n; ++j) xs[j] = xop + xo_row[token_at[c0 + j]] * x_order.len;
-        const TaskRows rows{{row(false, task.row0), row(true, task.row0)}, {gate_scale, up_scale}, 2, s13r,
-                            task.rows, ahead, I - task.row0};
-        float(*const out[2])[kLanes] = {task_sums.gate, task_sums.up};
-        dot_task_pairs(rows, xs, n, D, block_k, out);
+        dot_task_pairs(gate_up, xs, n, D, block_k, to_task_sums);
         put_task_h(n);
         continue;
       }
@@ -681,10 +670,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
 #if GLM53_AVX2
       if (c1 - c0 == 1 && quads) {  // the gate and up rows share the token, each row block's scales on its sums
         if (quad_for != token_at[c0]) quad_order(xp + token_at[c0] * D, D, xq.get()), quad_for = token_at[c0];
-        const TaskRows rows{{row(false, task.row0), row(true, task.row0)}, {gate_scale, up_scale}, 2, s13r,
-                            task.rows, ahead, I - task.row0};
-        float(*const out[2])[kLanes] = {task_sums.gate, task_sums.up};
-        task_quads(rows, xq.get(), D, block_k, out);
+        task_quads(gate_up, xq.get(), D, block_k, to_task_sums);
         put_task_h(1);
         continue;
       }
@@ -701,9 +687,14 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
           scaled_for = e * nbI + task.row0 / block_n;
         }
         if (n == 1) {  // a gate row and its up row at a time, each against its own scaled token (see below)
-          gate_up_rows(1, [&](const E4m3* const* rows, const E4m3* const* next) {
+          for (int64_t r = task.row0; r < last; ++r) {
+            const int64_t rn = std::min(r + ahead, I - 1);
+            const E4m3* rows[2] = {row(false, r), row(true, r)};
+            const E4m3* next[2] = {row(false, rn), row(true, rn)};
             dot_row_tokens(rows, next, xg, xu - xg, D, sums);
-          });
+            task_sums.put(r - task.row0, 0, 1, sums[0], sums[1]);
+          }
+          put_task_h(1);
           continue;
         }
         // More tokens: a gate row pair, then its up rows, each token load serving two rows (with a token of its own
@@ -712,10 +703,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         const float* xus[kE4m3DirectMaxTokens];
         for (int j = 0; j < n; ++j) xgs[j] = xg + j * Dq, xus[j] = xu + j * Dq;
         const float* const* xs[2] = {xgs, xus};
-        const TaskRows rows{{row(false, task.row0), row(true, task.row0)}, {gate_scale, up_scale}, 2, s13r,
-                            task.rows, ahead, I - task.row0};
-        float(*const out[2])[kLanes] = {task_sums.gate, task_sums.up};
-        dot_task_rows(rows, xs, n, D, out);
+        dot_task_rows(gate_up, xs, n, D, to_task_sums);
         put_task_h(n);
         continue;
       }
@@ -758,6 +746,9 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
     const TileBuffer<c10::BFloat16> tile16(
         down_pairs ? kTileBlocks<c10::BFloat16> * kRowTile * tile_stride<c10::BFloat16>(block_k) : 0);
     const float* hs[kE4m3DirectMaxTokens];
+    // the direct paths' sums, a vector of the task's rows per token
+    alignas(64) float y_sums[std::max(kPairsDirectMaxTokens, kE4m3DirectMaxTokens)][kLanes];
+    float(*const to_y_sums[2])[kLanes] = {y_sums, nullptr};
     int64_t scaled_for = -1;
 #if GLM53_AVX2
     const bool quads = quads_fit(block_k);  // one token: task_quads, as in step 1
@@ -770,17 +761,20 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
       const E4m3* we = w2p + e * s2e;
       const float* scale = s2p + (e * nbD + task.row0 / block_n) * kbI;
       const auto bytes = [&](int64_t r) { return reinterpret_cast<const char*>(we + r * s2r); };
+      // The task's rows, for the direct paths that take a task a call; put_y: their sums (y_sums) into y
+      const TaskRows down{{we + task.row0 * s2r, nullptr}, {scale, nullptr}, 1, s2r, task.rows, down_ahead,
+                          D - task.row0};
+      const auto put_y = [&](int64_t n) {
+        for (int64_t j = 0; j < n; ++j)
+          store(yp + (c0 + j) * D + task.row0, load(y_sums[j]), static_cast<int>(task.rows));
+      };
 #if GLM53_AVX512
       if (down_pairs && c1 - c0 <= direct_max) {
         const int n = static_cast<int>(c1 - c0);
         const c10::BFloat16* hs16[kPairsDirectMaxTokens];
         for (int j = 0; j < n; ++j) hs16[j] = hbp + (c0 + j) * h_order.len;
-        const TaskRows rows{{we + task.row0 * s2r, nullptr}, {scale, nullptr}, 1, s2r, task.rows, down_ahead,
-                            D - task.row0};
-        alignas(64) float sums[kPairsDirectMaxTokens][kLanes];
-        float(*const out[2])[kLanes] = {sums, nullptr};
-        dot_task_pairs(rows, hs16, n, I, block_k, out);
-        for (int j = 0; j < n; ++j) store(yp + (c0 + j) * D + task.row0, load(sums[j]), static_cast<int>(task.rows));
+        dot_task_pairs(down, hs16, n, I, block_k, to_y_sums);
+        put_y(n);
         continue;
       }
       if (down_pairs && lanes.groups(e) > 0) {  // the experts tile_tokens laid out: past direct_max tokens
@@ -794,12 +788,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
 #if GLM53_AVX2
       if (c1 - c0 == 1 && quads) {
         if (quad_for != c0) quad_order(hp + c0 * I, I, hq.get()), quad_for = c0;
-        const TaskRows rows{{we + task.row0 * s2r, nullptr}, {scale, nullptr}, 1, s2r, task.rows, down_ahead,
-                            D - task.row0};
-        alignas(32) float sums[1][kLanes];
-        float(*const out[2])[kLanes] = {sums, nullptr};
-        task_quads(rows, hq.get(), I, block_k, out);
-        store(yp + c0 * D + task.row0, load(sums[0]), static_cast<int>(task.rows));
+        task_quads(down, hq.get(), I, block_k, to_y_sums);
+        put_y(1);
         continue;
       }
 #endif
@@ -811,12 +801,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x_, const at::Tensor& w13_, const a
         }
         for (int j = 0; j < n; ++j) hs[j] = buf.get() + j * Iq;
         const float* const* xs[2] = {hs, nullptr};
-        const TaskRows rows{{we + task.row0 * s2r, nullptr}, {scale, nullptr}, 1, s2r, task.rows, down_ahead,
-                            D - task.row0};
-        alignas(32) float sums[kE4m3DirectMaxTokens][kLanes];
-        float(*const out[2])[kLanes] = {sums, nullptr};
-        dot_task_rows(rows, xs, n, I, out);
-        for (int j = 0; j < n; ++j) store(yp + (c0 + j) * D + task.row0, load(sums[j]), static_cast<int>(task.rows));
+        dot_task_rows(down, xs, n, I, to_y_sums);
+        put_y(n);
         continue;
       }
       if (c1 - c0 < kAcrossLanesMinTokens) {
