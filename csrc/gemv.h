@@ -144,6 +144,8 @@ struct TaskRows {
   const float* scale[2];
   int sets;
   int64_t stride, rows, ahead, limit;
+  const E4m3* row(int s, int64_t i) const { return base[s] + i * stride; }
+  const E4m3* ahead_of(int s, int64_t i) const { return row(s, std::min(i + ahead, limit - 1)); }  // to prefetch
 };
 
 #if GLM53_AVX2
@@ -332,6 +334,15 @@ template <int N, int A, bool kRowTokens = false>
   }
 }
 
+// out[i] = reduce_add8(sums[i]) * kE4m3SumScale for a task's rows i < rows, 0 for the later lanes (their sums are
+// zeroed first), 8 rows at a time (reduce_add8x8)
+inline void store_row_sums(__m256 (&sums)[kLanes], int64_t rows, float* out) {
+  for (int64_t i = rows; i < kLanes; ++i) sums[i] = _mm256_setzero_ps();
+  const __m256 unit = _mm256_set1_ps(kE4m3SumScale);
+  _mm256_storeu_ps(out, _mm256_mul_ps(reduce_add8x8(sums), unit));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(reduce_add8x8(sums + 8), unit));
+}
+
 // out[s][0][i] = the dot product of set s's row i (for i < t.rows; 0 in the later lanes) with one token xq in quad
 // order, unscaled, each column block's sums times its scale (quads_sums): the task's rows two at a time (a row of
 // each set, or consecutive rows of one). The whole task in one call, its sums reduced 8 rows at a time
@@ -346,8 +357,8 @@ template <int N, int A, bool kRowTokens = false>
     const E4m3* ahead[2];
     const float* scales[2];
     for (int r = 0; r < 2; ++r) {
-      rows[r] = t.base[set[r]] + row[r] * t.stride;
-      ahead[r] = t.base[set[r]] + std::min(row[r] + t.ahead, t.limit - 1) * t.stride;
+      rows[r] = t.row(set[r], row[r]);
+      ahead[r] = t.ahead_of(set[r], row[r]);
       scales[r] = t.scale[set[r]];
     }
     __m256 total[2];
@@ -361,12 +372,7 @@ template <int N, int A, bool kRowTokens = false>
     for (; i + 1 < t.rows; i += 2) pair({0, 0}, {i, i + 1});
     if (i < t.rows) pair({0, 0}, {i, i});  // an odd last row: both halves of the pair
   }
-  const __m256 unit = _mm256_set1_ps(kE4m3SumScale);
-  for (int s = 0; s < t.sets; ++s) {
-    for (int64_t i = t.rows; i < kLanes; ++i) sums[s][i] = _mm256_setzero_ps();
-    _mm256_storeu_ps(out[s][0], _mm256_mul_ps(reduce_add8x8(sums[s]), unit));
-    _mm256_storeu_ps(out[s][0] + 8, _mm256_mul_ps(reduce_add8x8(sums[s] + 8), unit));
-  }
+  for (int s = 0; s < t.sets; ++s) store_row_sums(sums[s], t.rows, out[s][0]);
 }
 #endif
 
@@ -489,9 +495,8 @@ template <int G>
   for (int64_t i = 0; i < t.rows; i += 2) {
     const int64_t i1 = std::min(i + 1, t.rows - 1);  // an odd last row: both halves of the pair
     for (int s = 0; s < t.sets; ++s) {
-      const E4m3* rows[2] = {t.base[s] + i * t.stride, t.base[s] + i1 * t.stride};
-      const E4m3* ahead[2] = {t.base[s] + std::min(i + t.ahead, t.limit - 1) * t.stride,
-                              t.base[s] + std::min(i1 + t.ahead, t.limit - 1) * t.stride};
+      const E4m3* rows[2] = {t.row(s, i), t.row(s, i1)};
+      const E4m3* ahead[2] = {t.ahead_of(s, i), t.ahead_of(s, i1)};
       for (int j0 = 0; j0 < n;) {
         const int left = n - j0, rest = left % 4;
         const int g = rest == 0 ? 4 : rest == 3 || (rest == 2 && left >= 6) ? 3 : rest == 2 ? 2 : left >= 5 ? 5 : 1;
@@ -507,13 +512,8 @@ template <int G>
       }
     }
   }
-  const __m256 unit = _mm256_set1_ps(kE4m3SumScale);
   for (int s = 0; s < t.sets; ++s)
-    for (int j = 0; j < n; ++j) {
-      for (int64_t i = t.rows; i < kLanes; ++i) sums[s][j][i] = _mm256_setzero_ps();
-      _mm256_storeu_ps(out[s][j], _mm256_mul_ps(reduce_add8x8(sums[s][j]), unit));
-      _mm256_storeu_ps(out[s][j] + 8, _mm256_mul_ps(reduce_add8x8(sums[s][j] + 8), unit));
-    }
+    for (int j = 0; j < n; ++j) store_row_sums(sums[s][j], t.rows, out[s][j]);
 }
 #else
 inline void dot_task_rows(const TaskRows& t, const float* const* const* xs, int n, int64_t len,
@@ -522,9 +522,8 @@ inline void dot_task_rows(const TaskRows& t, const float* const* const* xs, int 
   for (int64_t i = 0; i < t.rows; i += 2) {
     const int nr = static_cast<int>(std::min<int64_t>(2, t.rows - i));
     for (int s = 0; s < t.sets; ++s) {
-      const E4m3* rows[2] = {t.base[s] + i * t.stride, t.base[s] + (i + nr - 1) * t.stride};
-      const E4m3* ahead[2] = {t.base[s] + std::min(i + t.ahead, t.limit - 1) * t.stride,
-                              t.base[s] + std::min(i + nr - 1 + t.ahead, t.limit - 1) * t.stride};
+      const E4m3* rows[2] = {t.row(s, i), t.row(s, i + nr - 1)};
+      const E4m3* ahead[2] = {t.ahead_of(s, i), t.ahead_of(s, i + nr - 1)};
       dot_rows(rows, ahead, nr, xs[s], n, len, acc);
       for (int j = 0; j < n; ++j)
         for (int r = 0; r < nr; ++r) out[s][j][i + r] = acc[r][j];
@@ -791,8 +790,8 @@ template <int R, int N1, int N2, bool kAheadToL2>
   const E4m3* ahead[R];
   const float* scales[R];
   for (int r = 0; r < R; ++r) {
-    rows[r] = t.base[set[r]] + row[r] * t.stride;
-    ahead[r] = t.base[set[r]] + std::min(row[r] + t.ahead, t.limit - 1) * t.stride;
+    rows[r] = t.row(set[r], row[r]);
+    ahead[r] = t.ahead_of(set[r], row[r]);
     scales[r] = t.scale[set[r]];
   }
   __m512 s1[R][N1];
