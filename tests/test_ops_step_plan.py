@@ -141,6 +141,26 @@ def layers():
         yield arch, decoder
 
 
+def _decode_pages(arch, seq_lens, block_size, copies, gen):
+    """A decode step's latent-cache plan (one new token per request, its pages out of order) and ``copies`` random
+    caches of small pages (two raw slots each) holding the requests' earlier tokens."""
+    B = len(seq_lens)
+    blocks = [-(-n // block_size) for n in seq_lens]
+    table = torch.arange(sum(blocks), dtype=torch.int32).flip(0)  # pages out of order
+    block_table = torch.zeros(B, max(blocks), dtype=torch.int32)
+    used = 0
+    for r, nb in enumerate(blocks):
+        block_table[r, :nb] = table[used : used + nb]
+        used += nb
+    row = cache_row_size(arch.kv_lora_rank, arch.index_head_dim, arch.index_kpool, block_size=block_size)
+    caches = [torch.randn(sum(blocks), block_size, row, generator=gen) for _ in range(copies)]
+    last = torch.tensor(seq_lens) - 1
+    slot_mapping = block_table[torch.arange(B), last // block_size].long() * block_size + last % block_size
+    plan = LatentCachePlan(torch.arange(B + 1), torch.tensor(seq_lens), last, block_table, slot_mapping, B, B, 1,
+                           max(seq_lens))
+    return plan, caches
+
+
 def test_decode_step_reads_nothing_back(layers):
     from vllm.config import get_current_vllm_config
     from vllm.forward_context import set_forward_context
@@ -150,21 +170,10 @@ def test_decode_step_reads_nothing_back(layers):
     gen = torch.Generator().manual_seed(1)
     seq_lens = [5, 40, 90]  # 40 and 90 are far beyond index_topk: the indexer really selects
     B, block_size = len(seq_lens), 16
-    blocks = [-(-n // block_size) for n in seq_lens]
-    table = torch.arange(sum(blocks), dtype=torch.int32).flip(0)  # pages out of order
-    block_table = torch.zeros(B, max(blocks), dtype=torch.int32)
-    used = 0
-    for r, nb in enumerate(blocks):
-        block_table[r, :nb] = table[used : used + nb]
-        used += nb
+    latent_plan, caches = _decode_pages(arch, seq_lens, block_size, 2, gen)
+    block_table, slot_mapping, cu = latent_plan.block_table, latent_plan.slot_mapping, latent_plan.cu_seqlens
     L, dI, kp = arch.kv_lora_rank, arch.index_head_dim, arch.index_kpool
-    row = cache_row_size(L, dI, kp, block_size=block_size)  # small pages, many of them: two raw slots each
-    caches = [torch.randn(sum(blocks), block_size, row, generator=gen) for _ in range(2)]
     last = torch.tensor(seq_lens) - 1
-    slot_mapping = block_table[torch.arange(B), last // block_size].long() * block_size + last % block_size
-    cu = torch.arange(B + 1)
-    latent_plan = LatentCachePlan(cu, torch.tensor(seq_lens), last, block_table, slot_mapping, B, B, 1,
-                                  max(seq_lens))
     conv_shape, state_shape = kda.get_state_shape()
     conv_pool = 0.1 * torch.randn(6, *conv_shape, generator=gen)
     state_pool = 0.1 * torch.randn(6, *state_shape, generator=gen)
@@ -206,6 +215,35 @@ def test_decode_step_reads_nothing_back(layers):
         assert not ((cache != old) & ~mark).any()
     assert torch.isfinite(X).all()
     assert ((selection >= 0).sum(1) < torch.tensor(seq_lens)).tolist() == [False, True, True]
+
+
+def test_rows_past_the_plan_attend_to_nothing_and_change_nothing(layers):
+    """A batch may carry rows past the plan's tokens (padding): the sparse-MLA layer's attention gives them zeros and
+    leaves the real rows' outputs, selections and cache writes as they are without them."""
+    from vllm.config import get_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    arch, decoder = layers
+    mla = decoder[1].self_attn
+    gen = torch.Generator().manual_seed(2)
+    seq_lens, pad = [7, 60], 3
+    plan, (cache,) = _decode_pages(arch, seq_lens, 16, 1, gen)
+    T = len(seq_lens) + pad
+    H, L, nI, dI = mla.heads, arch.kv_lora_rank, arch.index_n_heads, arch.index_head_dim
+    inputs = (torch.randn(T, H, L, generator=gen), torch.randn(T, L, generator=gen),
+              torch.randn(T, 2 * dI, generator=gen), torch.randn(T, nI, dI, generator=gen),
+              torch.randn(T, nI, generator=gen))
+    results = []
+    for rows in (len(seq_lens), T):
+        mla.kv_cache = cache.clone()
+        with set_forward_context({mla.prefix: plan}, get_current_vllm_config()), torch.no_grad():
+            o_lat, selection = mla.attend(*(t[:rows] for t in inputs), None)
+        results.append((o_lat, selection, mla.kv_cache))
+    (o_lat, selection, written), (o_pad, selection_pad, written_pad) = results
+    assert o_pad.shape == (T, H, L) and o_pad.dtype == o_lat.dtype
+    assert torch.equal(o_pad[: len(seq_lens)], o_lat) and not o_pad[len(seq_lens) :].any()
+    assert torch.equal(selection_pad, selection) and torch.equal(written_pad, written)
+    assert o_lat.abs().sum() > 0 and not torch.equal(written, cache)  # each run wrote the cache it was given
 
 
 def test_a_block_size_the_pages_cannot_take_is_refused_before_any_cache_exists(layers):
