@@ -26,8 +26,9 @@ the serving model does:
 
 A step is every layer's FFN for a batch of tokens with fresh random routing per call (top-8 of the experts,
 distinct per token). Weights of all layers are several times the last-level cache, the caches are flushed before
-each timed step, the two sides never share a weight copy and take their steps in turn (same inputs); medians of
-``--repeat`` steps. The heap is frozen after loading, as vLLM's engine freezes it (no full garbage collections
+each timed step, the two sides never share a weight copy and take their steps in turn (same inputs, each side
+first and each after the other as often: orders.py); medians of ``--repeat`` steps rounded up to whole cycles of
+those orders. The heap is frozen after loading, as vLLM's engine freezes it (no full garbage collections
 inside timed steps). Both sides' outputs
 are checked inside the benchmark against the float32 dequantize-then-multiply reference of the same weights.
 
@@ -52,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import os
 import statistics
 import subprocess
@@ -77,6 +77,7 @@ allocator.same_as_engine()  # before torch: the script may start over under the 
 import torch  # noqa: E402
 
 import caches  # noqa: E402
+from orders import balanced_orders, whole_cycles  # noqa: E402
 from vllm_glm53 import testing  # noqa: E402
 from vllm_glm53.backends.cpu import fp8 as fp8_ops  # noqa: E402
 from vllm_glm53.backends.cpu import kernels  # noqa: E402
@@ -270,13 +271,19 @@ def make_routing(layers, experts, T, gen):
 
 def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = False) -> tuple[list[float], float]:
     """Median step time of each side over the same fresh inputs and routings, the caches flushed before each step
-    and the sides interleaved step by step (in every order in turn), so that all see the same moments of a
+    and the sides interleaved step by step (orders.py's balanced orders, ``repeat`` rounded up to whole cycles of
+    them), so that all see the same moments of a
     host whose memory bandwidth drifts; ``cached``: the same input and routing every step, no flush, so the used
     weights stay in the last-level cache where they fit (the step's time without memory traffic: what the
     kernels' arithmetic and the per-op overheads cost). Also the read bandwidth, probed once per round of steps
     (median; the floor's denominator measured at the same moments as the steps, not minutes before them; 0.0 when
     ``cached``, whose steps a probe would evict)."""
     gen = torch.Generator().manual_seed(seed)
+    # each side in each position and right after each other side as often (orders.py; with three sides, plain
+    # rotations ran this tree's FP8 step after the BF16 one and --base's after this tree's on the same weights and
+    # routing, which printed identical kernels 0.96x): whole cycles of the design
+    orders = balanced_orders(len(sides))
+    repeat = whole_cycles(repeat, len(sides))
     inputs = [(torch.randn(T, HIDDEN, generator=gen).to(dtype), make_routing(layers, experts, T, gen))
               for _ in range(repeat + 1)]
     if cached:
@@ -284,10 +291,6 @@ def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = 
     for side in sides:
         side.step(*inputs[0])
     times, probes = [[] for _ in sides], []
-    # every order of the sides in turn: each side first, and each right after each other as often (with three
-    # sides, plain rotations ran this tree's FP8 step after the BF16 one and --base's after this tree's on the same
-    # weights and routing, which printed identical kernels 0.96x)
-    orders = list(itertools.permutations(range(len(sides))))
     for i, (x, routing) in enumerate(inputs[1:]):
         for s in orders[i % len(orders)]:
             if not cached:

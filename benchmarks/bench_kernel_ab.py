@@ -12,14 +12,13 @@ sizes with block-FP8 weights (random values quantized by block) and bfloat16 tok
 I 2048: 100 MB) with M tokens each. A third side, timed in the same turns, runs what the dequantize-at-load model
 runs on the same weights in bfloat16 (twice the bytes): ``moe_experts``, and the linear as the model's layer runs
 it (``testing.loaded_linear``: vLLM's oneDNN GEMM where the CPU multiplies bfloat16 natively, else ``linear16``).
-Medians of ``--repeat`` calls per side; the last column compares the two builds' outputs (relative max
-difference: zero where the arithmetic is the same).
+Medians of ``--repeat`` calls per side (rounded up to whole cycles of orders.py's orders); the last column compares
+the two builds' outputs (relative max difference: zero where the arithmetic is the same).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import caches  # noqa: E402
+from orders import balanced_orders, whole_cycles  # noqa: E402
 from vllm_glm53 import testing  # noqa: E402
 from vllm_glm53.backends.cpu import build, kernels  # noqa: E402
 from vllm_glm53.quant.fp8_block import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
@@ -66,14 +66,16 @@ def build_base(rev: str, isa: str, out_dir: Path) -> object:
 
 
 def compare(calls: dict, repeat: int) -> dict:
-    """Median seconds of each side's calls, caches flushed before each, the sides called in every order in turn:
-    on the Zen 5 VM an FP8 call right after the bfloat16 side's (twice the bytes, another kernel) ran 8-19 % slower
-    than right after the other build's, and alternating the order of three sides put this tree's build after it
-    every other round and the base's never (identical kernels printed 0.85-0.91x at one token, now 0.99-1.02x)."""
+    """Median seconds of each side's calls, caches flushed before each, the sides in orders.py's balanced orders
+    for ``repeat`` rounds rounded up to whole cycles of them: on the Zen 5 VM an FP8 call right after the bfloat16
+    side's (twice the bytes, another kernel) ran 8-19 % slower than right after the other build's, and alternating
+    the order of three sides put this tree's build after it every other round and the base's never (identical
+    kernels printed 0.85-0.91x at one token, then 0.99-1.02x)."""
     times = {name: [] for name in calls}
-    orders = list(itertools.permutations(calls))
-    for i in range(repeat):
-        for name in orders[i % len(orders)]:
+    names = list(calls)
+    orders = balanced_orders(len(names))
+    for i in range(whole_cycles(repeat, len(names))):
+        for name in (names[s] for s in orders[i % len(orders)]):
             caches.flush()
             t0 = time.perf_counter()
             calls[name]()
@@ -118,7 +120,7 @@ def main() -> None:
     short = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.base], capture_output=True,
                            text=True).stdout.strip()
     print(f"# {kernels.description()}; base {args.base} ({short}) against this tree; {torch.get_num_threads()} "
-          f"threads, {allocator.describe()}, caches flushed, medians of {args.repeat}\n")
+          f"threads, {allocator.describe()}, caches flushed, medians of {whole_cycles(args.repeat, 3)}\n")
     print("| op | tokens | base (ms) | this tree (ms) | base / this tree | outputs: max rel. difference | bfloat16 "
           "weights (ms) | bfloat16 / this tree |")
     print("|---|---|---|---|---|---|---|---|")
