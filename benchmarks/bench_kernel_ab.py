@@ -1,7 +1,7 @@
-"""Two builds of the CPU kernels in one process: this tree's and a git revision's, called in turn (every order of
-the sides, round after round) on the same inputs with the caches flushed before each call, so that both see the
-same moments of a host whose speed drifts (on the shared VMs this project is measured on, separate runs of one
-build differ by up to 2x).
+"""Two builds of the CPU kernels in one process: this tree's and a git revision's, called in turn (each side in
+each position and after each other side as often: orders.py) on the same inputs with the caches flushed before
+each call, so that both see the same moments of a host whose speed drifts (on the shared VMs this project is
+measured on, separate runs of one build differ by up to 2x).
 
     .venv/bin/python benchmarks/bench_kernel_ab.py [--base HEAD] [--tokens 2 4 6 8 ...] [--repeat 15]
 
