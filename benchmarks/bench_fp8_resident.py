@@ -272,12 +272,11 @@ def make_routing(layers, experts, T, gen):
 def median_steps(sides, dtype, T, layers, experts, repeat, seed, cached: bool = False) -> tuple[list[float], float]:
     """Median step time of each side over the same fresh inputs and routings, the caches flushed before each step
     and the sides interleaved step by step (orders.py's balanced orders, ``repeat`` rounded up to whole cycles of
-    them), so that all see the same moments of a
-    host whose memory bandwidth drifts; ``cached``: the same input and routing every step, no flush, so the used
-    weights stay in the last-level cache where they fit (the step's time without memory traffic: what the
-    kernels' arithmetic and the per-op overheads cost). Also the read bandwidth, probed once per round of steps
-    (median; the floor's denominator measured at the same moments as the steps, not minutes before them; 0.0 when
-    ``cached``, whose steps a probe would evict)."""
+    them), so that all see the same moments of a host whose memory bandwidth drifts; ``cached``: the same input
+    and routing every step, no flush, so the used weights stay in the last-level cache where they fit (the step's
+    time without memory traffic: what the kernels' arithmetic and the per-op overheads cost). Also the read
+    bandwidth, probed once per round of steps (median; the floor's denominator measured at the same moments as the
+    steps, not minutes before them; 0.0 when ``cached``, whose steps a probe would evict)."""
     gen = torch.Generator().manual_seed(seed)
     # each side in each position and right after each other side as often (orders.py; with three sides, plain
     # rotations ran this tree's FP8 step after the BF16 one and --base's after this tree's on the same weights and
