@@ -5,15 +5,18 @@ heavier one."""
 from __future__ import annotations
 
 import collections
+import importlib.util
 import itertools
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from orders import balanced_orders, whole_cycles  # noqa: E402
+# loaded from its file: putting benchmarks/ on sys.path would let its helper modules shadow other imports
+_spec = importlib.util.spec_from_file_location(
+    "bench_orders", Path(__file__).resolve().parents[1] / "benchmarks" / "orders.py")
+_orders = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_orders)
+balanced_orders, whole_cycles = _orders.balanced_orders, _orders.whole_cycles
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
