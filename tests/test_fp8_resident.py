@@ -480,16 +480,17 @@ def test_mlp_of_fp8_layers_runs_as_one_call_at_decode_sizes(dtype):
                     loader = params[leaf].weight_loader
                     loader(params[leaf], part, shard) if len(names) > 1 else loader(params[leaf], part)
             testing.finish_loading(layer)
+        w13 = torch.cat([fp8_ops.dequantize_parts(*ckpt[n], [inter], BLOCK, torch.float64)
+                         for n in ("gate_proj", "up_proj")])
+        w2 = fp8_ops.dequantize_parts(*ckpt["down_proj"], [D], BLOCK, torch.float64)
         for T in (1, 5, 16, fp8_ops.MLP_FP8_MAX_TOKENS):
             x = (4 * torch.randn(T, D, generator=gen)).to(dtype)
             got = fp8_mlp(gate_up, down, x, SWIGLU_LIMIT)
             assert got.dtype == dtype and got.shape == (T, D)
-            w13 = torch.cat([fp8_ops.dequantize_parts(*ckpt[n], [inter], BLOCK, torch.float64)
-                             for n in ("gate_proj", "up_proj")])
             h = moe.clamped_swiglu(x.double() @ w13.t(), SWIGLU_LIMIT)
             if dtype == torch.bfloat16:  # the kernel rounds h to the tokens' dtype (as the experts' h)
                 h = h.to(dtype).double()
-            want = h @ fp8_ops.dequantize_parts(*ckpt["down_proj"], [D], BLOCK, torch.float64).t()
+            want = h @ w2.t()
             # measured (ulps of max|reference|, avx2 / portable / avx512, also emulated): float32 5.1 / 5.2 / 6.0,
             # bfloat16 0.22 / 0.0 / 0.22 (the output's rounding)
             if dtype == torch.float32:

@@ -218,9 +218,9 @@ class Glm5NextSparseMLA(nn.Module, AttentionLayerBase):
 
     def cache_pages(self) -> LatentPages:
         """The regions of the pages vLLM bound as ``kv_cache`` (:func:`page_views`), made once per cache tensor:
-        they are the same views every step. Making them each call (checks, three ``as_strided``) and zero-filling
-        ``o_lat`` took ``attend`` from 31-34 to 48-64 us a call on the tiny model (Zen 5, alternating runs), a
-        few per cent of its decode step."""
+        they are the same views every step. Made on every call (checks, three ``as_strided``), with ``o_lat``
+        zero-filled and copied, ``attend`` took 48-64 us a call on the tiny model; without both, 31-34 (Zen 5,
+        alternating runs), a few per cent of its decode step."""
         if self._pages is None or self._pages[0] is not self.kv_cache:
             a = self.arch
             self._pages = (self.kv_cache, page_views(self.kv_cache, a.kv_lora_rank, a.index_head_dim, a.index_kpool))
