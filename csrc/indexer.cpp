@@ -224,6 +224,95 @@ std::vector<float> padded_weights(const at::Tensor& w, int64_t nIp) {
   return wp;
 }
 
+#if GLM53_AVX512
+// Per token t, block b of 16 heads, channel pair p < dIp / 2: xq[((t * blocks + b) * dIp / 2 + p) * kLanes + lane] =
+// head (16 b + lane)'s channels 2p, 2p + 1 from q [T, nI, dI] (bfloat16, channels contiguous; dIp >= dI, even),
+// zero past the heads and channels: token_pairs_into's layout, the bfloat16 rows taken as they are (see
+// padded_weights). The B operand of the tiles (score_pools_tiles) and of the pairs (score_pools_pairs).
+std::vector<uint32_t> query_pairs(const at::Tensor& q, int64_t blocks, int64_t dIp) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.stride(2) == 1, "query_pairs: bfloat16 channels in a row");
+  const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2), per_token = blocks * dIp / 2 * kLanes;
+  std::vector<uint32_t> xq(T * per_token);  // zeros
+  const c10::BFloat16* src = q.data_ptr<c10::BFloat16>();
+  for (int64_t t = 0; t < T; ++t)
+    token_pairs_into([&](int64_t h) { return src + t * q.stride(0) + h * q.stride(1); }, nI, dI, dIp / 2,
+                     [](int64_t p) { return p; }, xq.data() + t * per_token);
+  return xq;
+}
+
+// With bfloat16 queries and keys (a bfloat16 model's) on a CPU with bfloat16 dot products (AVX512_BF16: AMD from
+// Zen 4, Intel from Cooper Lake) where the tiles do not run, the lanes loop multiplies channel pairs: one vdpbf16ps
+// takes a vector of 16 heads' query pairs (query_pairs) and one key's channel pair broadcast, 32 products where
+// score_head_block's FMA takes 16, and the keys are read as they lie instead of widened into kbuf first. With the
+// release's 32 heads the float32 loop is bound by its multiply-adds (a pool's 4,096 of them, twice its key's read
+// time at this VM's bandwidth: benchmarks/README.md). vdpbf16ps multiplies exactly and sums in float32 (the odd
+// channel's product first, inputs and results below 2^-126 flushed to zero, as the tiles), so only the order of
+// the sums differs from the float32 loop; a (pool, head) sum runs over the channel pairs in order.
+template <int HB, int G>
+[[gnu::always_inline]] GLM53_BF16_DOT inline void score_head_block_pairs(const c10::BFloat16* const* keys,
+                                                                        const uint32_t* xq, int64_t block, int64_t P,
+                                                                        float scale, const float* w, float* s) {
+  __m512 acc[G][HB];
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int b = 0; b < HB; ++b) acc[g][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512i qp[HB];
+#pragma GCC unroll 4
+    for (int b = 0; b < HB; ++b) qp[b] = _mm512_loadu_si512(xq + b * block + p * kLanes);
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+      uint32_t pair;
+      std::memcpy(&pair, keys[g] + 2 * p, sizeof(pair));
+      const __m512i x = _mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 4
+      for (int b = 0; b < HB; ++b) acc[g][b] = dot_pairs(acc[g][b], qp[b], x);
+    }
+  }
+  const F16 sc = set1(scale);
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g) {
+    F16 t = relu(F16{acc[g][0]} * sc) * load(w);
+#pragma GCC unroll 4
+    for (int b = 1; b < HB; ++b) t = t + relu(F16{acc[g][b]} * sc) * load(w + b * kLanes);
+    s[g] += reduce_add(t);
+  }
+}
+
+// out[g] for G keys of 2P channels; xq one token's query pairs (blocks of 16 heads, P pairs each).
+template <int G>
+[[gnu::always_inline]] GLM53_BF16_DOT inline void score_keys_pairs(const c10::BFloat16* const* keys,
+                                                                  const uint32_t* xq, const float* w, int64_t blocks,
+                                                                  int64_t P, float scale, float* out) {
+  float s[G] = {};
+  const int64_t block = P * kLanes;
+  int64_t b = 0;
+  for (; b + kHeadVectors <= blocks; b += kHeadVectors)
+    score_head_block_pairs<kHeadVectors, G>(keys, xq + b * block, block, P, scale, w + b * kLanes, s);
+  for (; b < blocks; ++b) score_head_block_pairs<1, G>(keys, xq + b * block, block, P, scale, w + b * kLanes, s);
+  for (int g = 0; g < G; ++g) out[g] = s[g];
+}
+
+// score_pools_heads on the pairs (xq, w: one token's, heads padded to whole blocks), with the same requests ahead.
+[[gnu::noinline]] GLM53_BF16_DOT void score_pools_pairs(const c10::BFloat16* const* keys, int64_t n,
+                                                        const c10::BFloat16* const* ahead, int64_t n_ahead,
+                                                        const uint32_t* xq, const float* w, int64_t blocks, int64_t dI,
+                                                        float scale, float* out) {
+  const int64_t P = dI / 2;
+  int64_t i = 0;
+  for (; i + kKeysPerPass <= n; i += kKeysPerPass) {
+    for (int64_t j = i; j < std::min(i + kKeysPerPass, n_ahead); ++j) request_key(ahead[j], dI);
+    score_keys_pairs<kKeysPerPass>(keys + i, xq, w, blocks, P, scale, out + i);
+  }
+  for (; i < n; ++i) {
+    if (i < n_ahead) request_key(ahead[i], dI);
+    score_keys_pairs<1>(keys + i, xq, w, blocks, P, scale, out + i);
+  }
+  for (int64_t j = n; j < n_ahead; ++j) request_key(ahead[j], dI);
+}
+#endif
+
 #if GLM53_HAS_AMX
 // With AMX tiles and bfloat16 queries and keys (a bfloat16 model's: float32 queries would first have to be rounded)
 // the products of score_pools_heads run on the tiles (amx.h): A = 16 pools' keys (32 channels a product, read from
@@ -235,20 +324,6 @@ std::vector<float> padded_weights(const at::Tensor& w, int64_t nIp) {
 // the 32-head sums took ~280 cycles a pool at one vector FMA a cycle), so the keys' arrival bounds this loop: it asks
 // for the next item's keys into the L2, spread over the loop (a burst of L1 requests at each group of 16 pools held
 // every line fill buffer, and the loop waited on them: benchmarks/README.md).
-
-// Per token t, block b of 16 heads, channel pair p < dIp / 2: xq[((t * blocks + b) * dIp / 2 + p) * kLanes + lane] =
-// head (16 b + lane)'s channels 2p, 2p + 1 from q [T, nI, dI] (bfloat16, channels contiguous), zero past the heads
-// and channels: token_pairs_into's layout, the bfloat16 rows taken as they are (see padded_weights).
-std::vector<uint32_t> query_pairs(const at::Tensor& q, int64_t blocks, int64_t dIp) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.stride(2) == 1, "query_pairs: bfloat16 channels in a row");
-  const int64_t T = q.size(0), nI = q.size(1), dI = q.size(2), per_token = blocks * dIp / 2 * kLanes;
-  std::vector<uint32_t> xq(T * per_token);  // zeros
-  const c10::BFloat16* src = q.data_ptr<c10::BFloat16>();
-  for (int64_t t = 0; t < T; ++t)
-    token_pairs_into([&](int64_t h) { return src + t * q.stride(0) + h * q.stride(1); }, nI, dI, dIp / 2,
-                     [](int64_t p) { return p; }, xq.data() + t * per_token);
-  return xq;
-}
 
 // The sums of 16 vectors' lanes, sum[j] = reduce_add(v[j]) (the same tree, so the same result): halves of pairs of
 // vectors, then quarters, then pairs of lanes, each level one add for twice the vectors of the level before, and a
@@ -575,16 +650,24 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
 #else
   const bool tiles = false;
 #endif
-  // The queries as each scoring form reads them: pairs for the tiles, else float32 (transposed for the lanes).
+#if GLM53_AVX512
+  const bool pairs = lanes && !tiles && has_bf16_dot() && q_.scalar_type() == at::kBFloat16 &&
+                     pooled.scalar_type() == at::kBFloat16 && dI % 2 == 0;  // score_pools_pairs
+#else
+  const bool pairs = false;
+#endif
+  // The queries as each scoring form reads them: pairs for the tiles (channels padded to whole products) and the
+  // dot products, else float32 (transposed for the lanes).
   at::Tensor q, w, qT;
   std::vector<float> wp;
   std::vector<uint32_t> xq;
+  const int64_t xq_dim = tiles ? dIp : dI;
   if (lanes) wp = padded_weights(w_, nIp);
-#if GLM53_HAS_AMX
-  if (tiles) xq = query_pairs(q_.stride(2) == 1 ? q_ : q_.contiguous(), nIp / kLanes, dIp);
+#if GLM53_AVX512
+  if (tiles || pairs) xq = query_pairs(q_.stride(2) == 1 ? q_ : q_.contiguous(), nIp / kLanes, xq_dim);
 #endif
-  if (!tiles) q = float_contiguous(q_);
-  if (lanes && !tiles) qT = transposed_queries(q, nIp);
+  if (!tiles && !pairs) q = float_contiguous(q_);
+  if (lanes && !tiles && !pairs) qT = transposed_queries(q, nIp);
   if (!lanes) w = float_contiguous(w_);
 
   GLM53_DISPATCH_FLOAT_TYPES(pooled.scalar_type(), "indexer_select", [&] {
@@ -611,7 +694,7 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
       const scalar_t* bufs[2][kPoolChunk];
       const scalar_t** keys = bufs[0];
       const scalar_t** next = bufs[1];
-      std::vector<float> kbuf(lanes && !tiles ? kKeysPerPass * dI : 0);
+      std::vector<float> kbuf(lanes && !tiles && !pairs ? kKeysPerPass * dI : 0);
 #if GLM53_HAS_AMX
       std::vector<c10::BFloat16> stage(tiles ? kLanes * dIp : 0, c10::BFloat16(0.0f));
       if (tiles) amx_configure();
@@ -632,8 +715,15 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
 #if GLM53_HAS_AMX
             using B16 = const c10::BFloat16* const*;  // tiles: the keys are bfloat16 (scalar_t is, at run time)
             score_pools_tiles(reinterpret_cast<B16>(keys), n_score, reinterpret_cast<B16>(next), n_ahead,
-                              xq.data() + (q0 + t) * nIp / 2 * dIp, wp.data() + (q0 + t) * nIp, nIp / kLanes,
+                              xq.data() + (q0 + t) * nIp / 2 * xq_dim, wp.data() + (q0 + t) * nIp, nIp / kLanes,
                               dI, dIp, scale, stage.data(), sc + t * cols + p0);
+#endif
+          } else if (pairs) {
+#if GLM53_AVX512
+            using B16 = const c10::BFloat16* const*;  // pairs: the keys are bfloat16 (scalar_t is, at run time)
+            score_pools_pairs(reinterpret_cast<B16>(keys), n_score, reinterpret_cast<B16>(next), n_ahead,
+                              xq.data() + (q0 + t) * nIp / 2 * xq_dim, wp.data() + (q0 + t) * nIp, nIp / kLanes, dI,
+                              scale, sc + t * cols + p0);
 #endif
           } else if (lanes) {
             const float* qt = qT.data_ptr<float>() + (q0 + t) * dI * nIp;

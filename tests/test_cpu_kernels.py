@@ -476,7 +476,8 @@ def test_write_tokens_identical_to_torch(dtype, with_keys):
 
 
 # Heads: a group of four and two more (score_pools); one vector of heads and two vectors plus a padded third
-# (score_pools_heads, from 16 heads on; bfloat16 on AMX tiles: score_pools_tiles). Keys of 16 channels (the tiles
+# (score_pools_heads, from 16 heads on; bfloat16 on AMX tiles: score_pools_tiles, else on bfloat16 dot products
+# where the CPU has them, and in the emulated avx512 build: score_pools_pairs). Keys of 16 channels (the tiles
 # pad them to 32) and of 64 (two tile rows) in pages of 2 pools, and of 64 in pages of 16 pools, where the tiles
 # read 16 pools straight from the page (dI = 16 and 64 keep the scale dI**-0.5 a power of two: the integer-valued
 # scores stay exact).
