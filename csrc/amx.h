@@ -12,8 +12,8 @@
 // token count up to a group's 16: the tile path then runs from far fewer tokens than the pairs' 13 (gemv.h's
 // pairs_direct_max). What bounds it instead is getting the widened rows into the tiles: a tile load waits for the
 // vector stores that just wrote its rows (~79 cycles a product against ~22), and each row's E4M3 bytes arrive 128
-// at a time per column block (benchmarks/README.md, "What bounds the FP8 kernels"); a cheaper conversion (GFNI)
-// barely moved it.
+// at a time per column block (benchmarks/README.md, Design record; the runs: "What bounds the FP8 kernels" in its
+// history, git show 5988aee:benchmarks/README.md); a cheaper conversion (GFNI) barely moved it.
 //
 // The operands are the pairs path's, unchanged: A = the row tile (16 rows of E4M3 values * 2^-8 as bfloat16 in
 // unpack order, e4m3_unpacked), B = the token pairs across the lanes (token_pairs_across_lanes: per pair of
