@@ -121,6 +121,20 @@ void score_pools(const T* const* keys, int64_t n, const T* const* ahead, int64_t
 constexpr int kKeysPerPass = kVectorRegs / 4;  // with two vectors of heads: half the registers hold accumulators
 constexpr int kHeadVectors = 2;                // vectors of kLanes heads per block
 
+// s[g] += sum over a block's heads of w[h] * relu(scale * acc[g][h]), acc[g] the G keys' dot products with HB
+// vectors of heads: the ReLU and weighting in vectors, then one horizontal sum per key.
+template <int HB, int G>
+[[gnu::always_inline]] inline void add_head_block(const F16 (&acc)[G][HB], float scale, const float* w, float* s) {
+  const F16 sc = set1(scale);
+#pragma GCC unroll 16
+  for (int g = 0; g < G; ++g) {
+    F16 t = relu(acc[g][0] * sc) * load(w);
+#pragma GCC unroll 4
+    for (int b = 1; b < HB; ++b) t = t + relu(acc[g][b] * sc) * load(w + b * kLanes);
+    s[g] += reduce_add(t);
+  }
+}
+
 // s[g] += sum over the block's heads of w[h] * relu(scale * qT[:, h] . kf[g]), HB vectors of heads.
 template <int HB, int G>
 inline void score_head_block(const float* const* kf, const float* qT, int64_t nIp, int64_t dI, float scale,
@@ -142,14 +156,7 @@ inline void score_head_block(const float* const* kf, const float* qT, int64_t nI
       for (int b = 0; b < HB; ++b) acc[g][b] = fma(qd[b], x, acc[g][b]);
     }
   }
-  const F16 sc = set1(scale);
-#pragma GCC unroll 16
-  for (int g = 0; g < G; ++g) {
-    F16 t = relu(acc[g][0] * sc) * load(w);
-#pragma GCC unroll 4
-    for (int b = 1; b < HB; ++b) t = t + relu(acc[g][b] * sc) * load(w + b * kLanes);
-    s[g] += reduce_add(t);
-  }
+  add_head_block<HB, G>(acc, scale, w, s);
 }
 
 // out[g] for G keys; 16-bit keys are widened into kbuf [G, dI] first (once, not once per head block).
@@ -252,11 +259,11 @@ template <int HB, int G>
 [[gnu::always_inline]] GLM53_BF16_DOT inline void score_head_block_pairs(const c10::BFloat16* const* keys,
                                                                         const uint32_t* xq, int64_t block, int64_t P,
                                                                         float scale, const float* w, float* s) {
-  __m512 acc[G][HB];
+  F16 acc[G][HB];
 #pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
-    for (int b = 0; b < HB; ++b) acc[g][b] = _mm512_setzero_ps();
+    for (int b = 0; b < HB; ++b) acc[g][b] = zero();
   for (int64_t p = 0; p < P; ++p) {
     __m512i qp[HB];
 #pragma GCC unroll 4
@@ -267,17 +274,10 @@ template <int HB, int G>
       std::memcpy(&pair, keys[g] + 2 * p, sizeof(pair));
       const __m512i x = _mm512_set1_epi32(static_cast<int>(pair));
 #pragma GCC unroll 4
-      for (int b = 0; b < HB; ++b) acc[g][b] = dot_pairs(acc[g][b], qp[b], x);
+      for (int b = 0; b < HB; ++b) acc[g][b] = {dot_pairs(acc[g][b].v, qp[b], x)};
     }
   }
-  const F16 sc = set1(scale);
-#pragma GCC unroll 16
-  for (int g = 0; g < G; ++g) {
-    F16 t = relu(F16{acc[g][0]} * sc) * load(w);
-#pragma GCC unroll 4
-    for (int b = 1; b < HB; ++b) t = t + relu(F16{acc[g][b]} * sc) * load(w + b * kLanes);
-    s[g] += reduce_add(t);
-  }
+  add_head_block<HB, G>(acc, scale, w, s);
 }
 
 // out[g] for G keys of 2P channels; xq one token's query pairs (blocks of 16 heads, P pairs each).
