@@ -9,9 +9,11 @@ The revision's ``csrc/`` is compiled with the flags this tree's build uses for t
 (``VLLM_GLM53_CPU_ISA`` picks another) and registered as ``torch.ops.vllm_glm53_base``. Ops, at the released model's
 sizes with block-FP8 weights (random values quantized by block) and bfloat16 tokens: ``fp8_linear`` 12288 x 4096
 (a fused gate|up of the dense layers, 50 MB of E4M3) at M tokens, and ``moe_experts_fp8`` for 4 experts (D 4096,
-I 2048: 100 MB) with M tokens each. A third side, timed in the same turns, runs what the dequantize-at-load model
-runs on the same weights in bfloat16 (twice the bytes): ``moe_experts``, and the linear as the model's layer runs
-it (``testing.loaded_linear``: vLLM's oneDNN GEMM where the CPU multiplies bfloat16 natively, else ``linear16``).
+I 2048: 100 MB) with M tokens each, and ``linear16`` on the linear's weight dequantized to bfloat16 (what a bfloat16
+model's linears run on CPUs without bfloat16 dot products; its row pairs' prefetch regressed unnoticed for a day,
+2477e34). A third side, timed in the same turns, runs what the dequantize-at-load model runs on the same weights in
+bfloat16 (twice the bytes): ``moe_experts``, and the linear as the model's layer runs it (``testing.loaded_linear``:
+vLLM's oneDNN GEMM where the CPU multiplies bfloat16 natively, else ``linear16``).
 Medians of ``--repeat`` calls per side (rounded up to whole cycles of orders.py's orders); the last column compares
 the two builds' outputs (relative max difference: zero where the arithmetic is the same).
 """
@@ -132,7 +134,8 @@ def main() -> None:
                 lambda: linear_bf16(x)[0]),
                (f"moe_experts_fp8, {E} experts",
                 lambda lib: lib.moe_experts_fp8(x, w13, s13, w2, s2, ids, weights, 10.0, block, block),
-                lambda: tree.moe_experts(x, w13_bf16, w2_bf16, ids, weights, 10.0))]
+                lambda: tree.moe_experts(x, w13_bf16, w2_bf16, ids, weights, 10.0)),
+               (f"linear16 {N} x {D}, bfloat16 weight", lambda lib: lib.linear16(x, w_bf16), lambda: linear_bf16(x)[0])]
         for name, call, call_bf16 in ops:
             t = compare({"base": lambda: call(libs["base"]), "tree": lambda: call(libs["tree"]), "bf16": call_bf16},
                         args.repeat)
