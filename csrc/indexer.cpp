@@ -661,13 +661,14 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
   at::Tensor q, w, qT;
   std::vector<float> wp;
   std::vector<uint32_t> xq;
+  const bool f32_queries = !tiles && !pairs;
   const int64_t xq_dim = tiles ? dIp : dI;
   if (lanes) wp = padded_weights(w_, nIp);
 #if GLM53_AVX512
-  if (tiles || pairs) xq = query_pairs(q_.stride(2) == 1 ? q_ : q_.contiguous(), nIp / kLanes, xq_dim);
+  if (!f32_queries) xq = query_pairs(q_.stride(2) == 1 ? q_ : q_.contiguous(), nIp / kLanes, xq_dim);
 #endif
-  if (!tiles && !pairs) q = float_contiguous(q_);
-  if (lanes && !tiles && !pairs) qT = transposed_queries(q, nIp);
+  if (f32_queries) q = float_contiguous(q_);
+  if (lanes && f32_queries) qT = transposed_queries(q, nIp);
   if (!lanes) w = float_contiguous(w_);
 
   GLM53_DISPATCH_FLOAT_TYPES(pooled.scalar_type(), "indexer_select", [&] {
@@ -694,7 +695,7 @@ at::Tensor indexer_select(const at::Tensor& q_, const at::Tensor& w_, const at::
       const scalar_t* bufs[2][kPoolChunk];
       const scalar_t** keys = bufs[0];
       const scalar_t** next = bufs[1];
-      std::vector<float> kbuf(lanes && !tiles && !pairs ? kKeysPerPass * dI : 0);
+      std::vector<float> kbuf(lanes && f32_queries ? kKeysPerPass * dI : 0);
 #if GLM53_HAS_AMX
       std::vector<c10::BFloat16> stage(tiles ? kLanes * dIp : 0, c10::BFloat16(0.0f));
       if (tiles) amx_configure();
