@@ -26,7 +26,23 @@ namespace {
 
 constexpr float kLowest = std::numeric_limits<float>::lowest();
 constexpr int64_t kMaxPool = 64;     // largest supported kp (stack space for one pool's softmax)
-constexpr int64_t kPoolChunk = 32;   // pools per work item in the fused batch op
+
+// The register tile of the lanes loop (score_head_block): kKeysPerPass keys times kHeadVectors vectors of kLanes
+// heads in accumulators, beside a qT row's kHeadVectors vectors and one broadcast key channel. AVX-512 (32
+// registers): 8 keys x 2 vectors, 16 accumulators (12 x 2 measured no faster). AVX2 (16 ymm, two to a vector): 6
+// keys x 1 vector, 12 ymm of accumulators + 2 for the qT row + 1 broadcast. 2 keys x 2 vectors fit too, but their
+// 8 accumulators only just cover the FMAs' latency (two pipes, 4 cycles) and they load 10 values per 8 FMAs where
+// this loads 8 per 12: batch 8, 32 heads, as an AVX2 CPU, both tiles in one process, cold calls, a bfloat16 cache
+// 2.15-2.24 -> 1.67-1.72 ms at 16K context and 0.55-0.65 -> 0.44-0.54 ms at 4K; a float32 cache 2-10 % faster.
+#if GLM53_AVX2
+constexpr int kKeysPerPass = 6;
+constexpr int kHeadVectors = 1;
+#else
+constexpr int kKeysPerPass = kVectorRegs / 4;  // with two vectors of heads: half the registers hold accumulators
+constexpr int kHeadVectors = 2;
+#endif
+// Pools per work item in the fused batch op: about 32, whole passes of the tile.
+constexpr int64_t kPoolChunk = (32 + kKeysPerPass - 1) / kKeysPerPass * kKeysPerPass;
 
 // K[c] = sum_j softmax_j(gate_j[c] + ape[j, c]) * key_j[c] for one pool; key[j] / gate[j] are its kp rows.
 template <typename T>
@@ -116,10 +132,8 @@ void score_pools(const T* const* keys, int64_t n, const T* const* ahead, int64_t
 // channel, broadcast, multiplies a channel row of qT into its heads' accumulators. A pool then costs one
 // horizontal sum per block of heads instead of one per head (those sums and the per-head scalar ReLU and
 // weighting were a third of the scoring loop's time with four heads, and grow with the heads), and the ReLU and
-// weighting run on whole vectors. kKeysPerPass keys share each qT row load; a (pool, head) dot product is summed
-// in channel order.
-constexpr int kKeysPerPass = kVectorRegs / 4;  // with two vectors of heads: half the registers hold accumulators
-constexpr int kHeadVectors = 2;                // vectors of kLanes heads per block
+// weighting run on whole vectors. kKeysPerPass keys share each qT row load (the tile: top of the file); a (pool,
+// head) dot product is summed in channel order.
 
 // s[g] += sum over a block's heads of w[h] * relu(scale * acc[g][h]), acc[g] the G keys' dot products with HB
 // vectors of heads: the ReLU and weighting in vectors, then one horizontal sum per key.

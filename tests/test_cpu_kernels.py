@@ -373,9 +373,10 @@ def _paged(seq_lens, row, block_size, dtype, seed, fill):
     return pages, table
 
 
-# A mixed batch: decodes below, at and above the dense limit (topk 16, kp 4: 16 + 3 tokens), odd lengths,
-# a whole prefill, a prefill chunk continuing a sequence, and a request without queries this step.
-SEQ_LENS = [3, 19, 20, 23, 61, 130, 45, 77, 9]
+# A mixed batch: decodes below, at and above the dense limit (topk 16, kp 4: 16 + 3 tokens), odd lengths, one over
+# three of the compiled indexer's work items (83 pools: 32 + 32 + 19 or, on avx2, 36 + 36 + 11), a whole prefill, a
+# prefill chunk continuing a sequence, and a request without queries this step.
+SEQ_LENS = [3, 19, 20, 23, 61, 333, 45, 77, 9]
 Q_LENS = [1, 1, 1, 1, 1, 1, 45, 30, 0]
 
 
