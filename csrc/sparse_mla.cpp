@@ -9,7 +9,8 @@
 // there, so the hardware prefetchers cannot run ahead of them: while a group of rows is scored, the next group's
 // rows are prefetched one cache line per lane group (about 2x faster than without, on the development machine;
 // prefetching a whole block at once overflowed the line-fill buffers and gained nothing). With bfloat16 queries and
-// cache and 16 or more heads, a CPU with AMX runs the attention as tile products instead (attend_tiles below).
+// cache and 16 or more heads, a CPU with AMX runs the attention as tile products instead (attend_tiles below), and
+// one with AVX512_BF16 but no AMX as the same products on bfloat16 dot products (attend_pairs).
 
 #include <torch/library.h>
 
@@ -188,8 +189,8 @@ void heads_from_float(const float* src, int64_t t, int64_t h0, int64_t nh, at::T
 constexpr int64_t kTileMinHeads = 16;  // fewer heads stay on the float32 path (measured: benchmarks/README.md)
 constexpr int64_t kTileRows = 256;  // rows per online-softmax step on the tiles: a multiple of 32 (the update's K)
 
-#if GLM53_HAS_AMX
-// ---- On AMX tiles: bfloat16 queries and cache rows ----
+#if GLM53_AVX512
+// ---- On AMX tiles, or on bfloat16 dot products: bfloat16 queries and cache rows ----
 // All heads of a query read the same selected rows (each row is both key and value), so a block of rows is two
 // matrix products: the scores S = rows x q (A: 16 rows staged in a copy, 32 latent values a product; B: 16 heads
 // in pairs of latent values, token_pairs_into's layout; C: 16 rows x 16 heads) and the update acc += P x rows (A:
@@ -258,87 +259,109 @@ struct TileScratch {
         run_sum(new float[blocks * kLanes]) {}
 };
 
+constexpr int64_t kScores = kTileRows * kLanes;  // one block of heads' scores in TileScratch::s
+
+// The start of attend_tiles / attend_pairs: the heads' latent values in pairs (the scores' B operand: token_pairs_into's
+// layout, zero past the heads and L), the running sums zero, the softmax state empty.
+void start_attention(const c10::BFloat16* q, int64_t head_stride, int64_t nh, TileScratch& w) {
+  std::fill_n(w.qp.get(), w.blocks * w.Lp / 2 * kLanes, 0u);
+  token_pairs_into([&](int64_t h) { return q + h * head_stride; }, nh, w.L, w.Lp / 2, [](int64_t i) { return i; },
+                   w.qp.get());
+  std::fill_n(w.acc.get(), w.blocks * kLanes * w.ld, 0.0f);
+  std::fill_n(w.run_max.get(), w.blocks * kLanes, -std::numeric_limits<float>::infinity());
+  std::fill_n(w.run_sum.get(), w.blocks * kLanes, 0.0f);
+}
+
+// A block's nc rows (padded: nc rounded up to 32) in the layouts the products read, in one pass: rows 2i and 2i + 1
+// interleaved value by value (the update's B operand) and, with Staged, as they lie (the tiles' scores read them as
+// A tiles); zero rows past the last up to the products' 32 (a zero weight times a stale row could be NaN) and zero
+// columns past L.
+template <bool Staged>
+void lay_out_rows(const c10::BFloat16* const* rows, int64_t nc, int64_t padded, TileScratch& w) {
+  const int64_t L = w.L, Lp = w.Lp;
+  const __m512i lo_pair = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0),
+                hi_pair = _mm512_add_epi16(lo_pair, _mm512_set1_epi16(16));
+  for (int64_t i = 0; i < padded / 2; ++i) {
+    const c10::BFloat16 *r0 = 2 * i < nc ? rows[2 * i] : nullptr, *r1 = 2 * i + 1 < nc ? rows[2 * i + 1] : nullptr;
+    uint32_t* d = &w.pairs[i * w.ld];
+    for (int64_t c = 0; c < Lp; c += 32) {
+      const __mmask32 m = c + 32 <= L ? ~__mmask32(0) : __mmask32((1ull << std::max<int64_t>(L - c, 0)) - 1);
+      const __m512i x = r0 ? _mm512_maskz_loadu_epi16(m, r0 + c) : _mm512_setzero_si512(),
+                    y = r1 ? _mm512_maskz_loadu_epi16(m, r1 + c) : _mm512_setzero_si512();
+      if constexpr (Staged) {
+        c10::BFloat16* s0 = &w.stage[2 * i * w.ld16];
+        _mm512_storeu_si512(s0 + c, x);
+        _mm512_storeu_si512(s0 + w.ld16 + c, y);
+      }
+      _mm512_storeu_si512(d + c, _mm512_permutex2var_epi16(x, lo_pair, y));
+      _mm512_storeu_si512(d + c + 16, _mm512_permutex2var_epi16(x, hi_pair, y));
+    }
+  }
+}
+
+// The online softmax of a block of nc rows whose scores (unscaled, [blocks, kTileRows, 16]: rows x 16 heads) are in
+// w.s, on vectors of 16 heads: the weights, transposed to heads x rows in bfloat16 (the update's A operand), into
+// w.p, zero past nc up to padded; the running maxima and sums updated, and the running sums of the heads whose
+// maximum rose rescaled (``first``: the first block, whose sums are still zero).
+void softmax_block(int64_t nc, int64_t padded, float scale, bool first, TileScratch& w) {
+  const F16 sc = set1(scale);
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    float* sb = &w.s[b * kScores];
+    const F16 m_old = load(&w.run_max[b * kLanes]);
+    F16 m = m_old;
+    for (int64_t j = 0; j < nc; ++j) {
+      const F16 x = load(sb + j * kLanes) * sc;
+      store(sb + j * kLanes, x);
+      m = vmax(m, x);
+    }
+    F16 sum = zero();
+    for (int64_t j = 0; j < nc; ++j) {
+      const F16 e = exp(load(sb + j * kLanes) - m);
+      store(sb + j * kLanes, e);
+      sum = sum + e;
+    }
+    std::fill(sb + nc * kLanes, sb + padded * kLanes, 0.0f);
+    alignas(64) float corr[kLanes];
+    store(corr, exp(m_old - m));
+    store(&w.run_sum[b * kLanes], load(&w.run_sum[b * kLanes]) * load(corr) + sum);
+    store(&w.run_max[b * kLanes], m);
+    for (int64_t g = 0; g < padded; g += kLanes) {
+      __m512 r[kLanes];
+      for (int i = 0; i < kLanes; ++i) r[i] = _mm512_loadu_ps(sb + (g + i) * kLanes);
+      transpose_16x16(r);
+      for (int h = 0; h < kLanes; ++h) store(&w.p[(b * kLanes + h) * w.ldp + g], F16{r[h]});
+    }
+    if (!first)
+      for (int h = 0; h < kLanes; ++h) {
+        if (corr[h] == 1.0f) continue;
+        float* a = &w.acc[(b * kLanes + h) * w.ld];
+        for (int64_t c = 0; c < w.Lp; c += kLanes) store(a + c, load(a + c) * set1(corr[h]));
+      }
+  }
+}
+
+#if GLM53_HAS_AMX
 // attend() for nh heads of bfloat16 queries (q: head h's L values at q + h * head_stride) over bfloat16 rows, on the
 // tiles (configured by the caller), short of the normalisation: leaves head h's sums of weight x row in w.acc[h * ld,
 // + L) and its softmax state (the largest scaled score, the sum of the weights relative to it) in w.run_max[h] and
 // w.run_sum[h], from which merge_parts takes the result (of one part, or of parts of one query's rows).
 GLM53_AMX void attend_tiles(const c10::BFloat16* q, int64_t head_stride, int64_t nh, const c10::BFloat16* const* rows,
                             int64_t n_rows, float scale, TileScratch& w) {
-  const int64_t L = w.L, Lp = w.Lp, ld = w.ld, ld16 = w.ld16, ldp = w.ldp, blocks = w.blocks,
-                per_block = Lp / 2 * kLanes;
-  std::fill_n(w.qp.get(), blocks * per_block, 0u);
-  token_pairs_into([&](int64_t h) { return q + h * head_stride; }, nh, L, Lp / 2, [](int64_t i) { return i; },
-                   w.qp.get());
-  std::fill_n(w.acc.get(), blocks * kLanes * ld, 0.0f);
-  std::fill_n(w.run_max.get(), blocks * kLanes, -std::numeric_limits<float>::infinity());
-  std::fill_n(w.run_sum.get(), blocks * kLanes, 0.0f);
-  const __m512i lo_pair = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0),
-                hi_pair = _mm512_add_epi16(lo_pair, _mm512_set1_epi16(16));
-  const F16 sc = set1(scale);
-  constexpr int64_t kS = kTileRows * kLanes;  // one block of heads' scores
+  const int64_t Lp = w.Lp, ld = w.ld, ld16 = w.ld16, ldp = w.ldp, blocks = w.blocks, per_block = Lp / 2 * kLanes;
+  start_attention(q, head_stride, nh, w);
   for (int64_t b0 = 0; b0 < n_rows; b0 += kTileRows) {
     const int64_t nc = std::min(kTileRows, n_rows - b0), padded = (nc + 31) / 32 * 32;
-    // The rows into both layouts in one pass: as they lie (the scores' A tiles) and rows 2i and 2i + 1 interleaved
-    // value by value (the update's B tiles); zero rows past the last up to the products' 32 (a zero weight times a
-    // stale row could be NaN) and zero columns past L.
-    for (int64_t i = 0; i < padded / 2; ++i) {
-      const c10::BFloat16 *r0 = 2 * i < nc ? rows[b0 + 2 * i] : nullptr,
-                          *r1 = 2 * i + 1 < nc ? rows[b0 + 2 * i + 1] : nullptr;
-      c10::BFloat16* s0 = &w.stage[2 * i * ld16];
-      uint32_t* d = &w.pairs[i * ld];
-      for (int64_t c = 0; c < Lp; c += 32) {
-        const __mmask32 m = c + 32 <= L ? ~__mmask32(0) : __mmask32((1ull << std::max<int64_t>(L - c, 0)) - 1);
-        const __m512i x = r0 ? _mm512_maskz_loadu_epi16(m, r0 + c) : _mm512_setzero_si512(),
-                      y = r1 ? _mm512_maskz_loadu_epi16(m, r1 + c) : _mm512_setzero_si512();
-        _mm512_storeu_si512(s0 + c, x);
-        _mm512_storeu_si512(s0 + ld16 + c, y);
-        _mm512_storeu_si512(d + c, _mm512_permutex2var_epi16(x, lo_pair, y));
-        _mm512_storeu_si512(d + c + 16, _mm512_permutex2var_epi16(x, hi_pair, y));
-      }
-    }
+    lay_out_rows<true>(rows + b0, nc, padded, w);
     // Scores: 32 rows x two blocks of heads per group of products.
     for (int64_t g = 0; g < padded; g += 32)
       for (int64_t b = 0; b < blocks; b += 2) {
-        float* c = &w.s[b * kS + g * kLanes];
+        float* c = &w.s[b * kScores + g * kLanes];
         amx_block_2x2<false>(&w.stage[g * ld16], &w.stage[(g + 16) * ld16], ld16 * 2, &w.qp[b * per_block],
-                             &w.qp[(b + 1) * per_block], 64, Lp / 32, c, c + kS, c + 16 * kLanes,
-                             c + kS + 16 * kLanes, kLanes * sizeof(float));
+                             &w.qp[(b + 1) * per_block], 64, Lp / 32, c, c + kScores, c + 16 * kLanes,
+                             c + kScores + 16 * kLanes, kLanes * sizeof(float));
       }
-    // Online softmax on vectors of 16 heads, then the weights transposed to heads x rows in bfloat16.
-    for (int64_t b = 0; b < blocks; ++b) {
-      float* sb = &w.s[b * kS];
-      const F16 m_old = load(&w.run_max[b * kLanes]);
-      F16 m = m_old;
-      for (int64_t j = 0; j < nc; ++j) {
-        const F16 x = load(sb + j * kLanes) * sc;
-        store(sb + j * kLanes, x);
-        m = vmax(m, x);
-      }
-      F16 sum = zero();
-      for (int64_t j = 0; j < nc; ++j) {
-        const F16 e = exp(load(sb + j * kLanes) - m);
-        store(sb + j * kLanes, e);
-        sum = sum + e;
-      }
-      std::fill(sb + nc * kLanes, sb + padded * kLanes, 0.0f);
-      alignas(64) float corr[kLanes];
-      store(corr, exp(m_old - m));
-      store(&w.run_sum[b * kLanes], load(&w.run_sum[b * kLanes]) * load(corr) + sum);
-      store(&w.run_max[b * kLanes], m);
-      for (int64_t g = 0; g < padded; g += kLanes) {
-        __m512 r[kLanes];
-        for (int i = 0; i < kLanes; ++i) r[i] = _mm512_loadu_ps(sb + (g + i) * kLanes);
-        transpose_16x16(r);
-        for (int h = 0; h < kLanes; ++h) store(&w.p[(b * kLanes + h) * ldp + g], F16{r[h]});
-      }
-      if (b0 > 0)  // rescale the heads whose maximum rose (the first block's sums are still zero)
-        for (int h = 0; h < kLanes; ++h) {
-          if (corr[h] == 1.0f) continue;
-          float* a = &w.acc[(b * kLanes + h) * ld];
-          for (int64_t c = 0; c < Lp; c += kLanes) store(a + c, load(a + c) * set1(corr[h]));
-        }
-    }
+    softmax_block(nc, padded, scale, b0 == 0, w);
     // acc += P x rows: two blocks of heads x two blocks of 16 latent values per group of products.
     const int64_t a_bytes = ldp * sizeof(c10::BFloat16), c_bytes = ld * sizeof(float);
     for (int64_t b = 0; b < blocks; b += 2) {
@@ -348,6 +371,99 @@ GLM53_AMX void attend_tiles(const c10::BFloat16* q, int64_t head_stride, int64_t
         amx_block_2x2<true>(a, a + kLanes * ldp, a_bytes, &w.pairs[cb], &w.pairs[cb + kLanes], ld * sizeof(uint32_t),
                             padded / 32, c + cb, c + cb + kLanes, c + kLanes * ld + cb, c + kLanes * ld + cb + kLanes,
                             c_bytes);
+    }
+  }
+}
+#endif
+
+// attend_tiles' products on bfloat16 dot products, for a CPU with AVX512_BF16 and no AMX tiles (AMD from Zen 4):
+// vdpbf16ps rounds and sums as tdpbf16ps, so the values differ from the tiles' only by the order of the sums. The
+// scores: G rows x two blocks of 16 heads in registers, each row's latent pair broadcast against the heads' pairs
+// (the indexer's score_pools_pairs); the update: kUpdateHeads heads x CU vectors of 16 latent values of the running
+// sums in registers over the block, each head's pair of weights broadcast against the interleaved rows. 32 products
+// an instruction where the float32 path's FMA takes 16, with no widening of the rows: at the release's 64 heads that
+// path is bound by its multiply-adds. Release's size (64 heads, 2,051 rows, latent 512), Zen 5, 2 threads, cold:
+// batch 1 1.05-1.35 -> 0.53-0.58 ms, batch 8 7.0-7.6 -> 3.6-4.0 ms (benchmarks/README.md).
+constexpr int kScoreRows = 8;    // rows a pass of the scores: 16 accumulators with two blocks of heads
+constexpr int kUpdateHeads = 4;  // heads a pass of the update: 16 accumulators with 4 vectors of latent values
+
+// w.s[b + j] (scores of G rows from ``rows``, the two blocks of heads whose pairs start at qp, per_block apart) for
+// the first n <= G of them, over the latent's P channel pairs.
+template <int G>
+[[gnu::always_inline]] GLM53_BF16_DOT inline void score_rows(const c10::BFloat16* const* rows, int n, const uint32_t* qp,
+                                                             int64_t per_block, int64_t P, float* s) {
+  __m512 acc[G][2];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    const __m512i q0 = _mm512_loadu_si512(qp + p * kLanes), q1 = _mm512_loadu_si512(qp + per_block + p * kLanes);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      uint32_t pair;
+      std::memcpy(&pair, rows[g] + 2 * p, sizeof(pair));
+      const __m512i x = _mm512_set1_epi32(static_cast<int>(pair));
+      acc[g][0] = dot_pairs(acc[g][0], q0, x);
+      acc[g][1] = dot_pairs(acc[g][1], q1, x);
+    }
+  }
+  for (int g = 0; g < n; ++g) {
+    _mm512_storeu_ps(s + g * kLanes, acc[g][0]);
+    _mm512_storeu_ps(s + kScores + g * kLanes, acc[g][1]);
+  }
+}
+
+// w.acc rows h0 .. h0 + kUpdateHeads, vectors c0 .. c0 + CU of 16 latent values: += the block's weights (w.p) x its
+// interleaved rows (w.pairs), over ``pairs`` row pairs.
+template <int CU>
+[[gnu::always_inline]] GLM53_BF16_DOT inline void update_heads(TileScratch& w, int64_t h0, int64_t c0, int64_t pairs) {
+  __m512 acc[kUpdateHeads][CU];
+#pragma GCC unroll 4
+  for (int h = 0; h < kUpdateHeads; ++h)
+#pragma GCC unroll 4
+    for (int u = 0; u < CU; ++u) acc[h][u] = _mm512_loadu_ps(&w.acc[(h0 + h) * w.ld + c0 + u * kLanes]);
+  for (int64_t i = 0; i < pairs; ++i) {
+    __m512i r[CU];
+#pragma GCC unroll 4
+    for (int u = 0; u < CU; ++u) r[u] = _mm512_loadu_si512(&w.pairs[i * w.ld + c0 + u * kLanes]);
+#pragma GCC unroll 4
+    for (int h = 0; h < kUpdateHeads; ++h) {
+      uint32_t pw;
+      std::memcpy(&pw, &w.p[(h0 + h) * w.ldp + 2 * i], sizeof(pw));
+      const __m512i x = _mm512_set1_epi32(static_cast<int>(pw));
+#pragma GCC unroll 4
+      for (int u = 0; u < CU; ++u) acc[h][u] = dot_pairs(acc[h][u], x, r[u]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < kUpdateHeads; ++h)
+#pragma GCC unroll 4
+    for (int u = 0; u < CU; ++u) _mm512_storeu_ps(&w.acc[(h0 + h) * w.ld + c0 + u * kLanes], acc[h][u]);
+}
+
+// attend_tiles (see there: the same scratch, state and result) on bfloat16 dot products. L even.
+[[gnu::noinline]] GLM53_BF16_DOT void attend_pairs(const c10::BFloat16* q, int64_t head_stride, int64_t nh,
+                                                   const c10::BFloat16* const* rows, int64_t n_rows, float scale,
+                                                   TileScratch& w) {
+  const int64_t P = w.L / 2, per_block = w.Lp / 2 * kLanes;
+  start_attention(q, head_stride, nh, w);
+  for (int64_t b0 = 0; b0 < n_rows; b0 += kTileRows) {
+    const c10::BFloat16* const* blk = rows + b0;
+    const int64_t nc = std::min(kTileRows, n_rows - b0), padded = (nc + 31) / 32 * 32;
+    lay_out_rows<false>(blk, nc, padded, w);
+    // Scores of the rows as they lie (pairs of channels < L only: the cache row goes on past the latent).
+    for (int64_t j = 0; j < nc; j += kScoreRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kScoreRows, nc - j));
+      const c10::BFloat16* group[kScoreRows];
+      for (int g = 0; g < kScoreRows; ++g) group[g] = blk[j + std::min(g, n - 1)];  // a short group repeats its last
+      for (int64_t b = 0; b < w.blocks; b += 2)
+        score_rows<kScoreRows>(group, n, &w.qp[b * per_block], per_block, P, &w.s[b * kScores + j * kLanes]);
+    }
+    softmax_block(nc, padded, scale, b0 == 0, w);
+    // acc += P x rows over the block's row pairs (the padding's weights and rows are zero).
+    for (int64_t h0 = 0; h0 < w.blocks * kLanes; h0 += kUpdateHeads) {
+      int64_t c0 = 0;
+      for (; c0 + 4 * kLanes <= w.Lp; c0 += 4 * kLanes) update_heads<4>(w, h0, c0, padded / 2);
+      for (; c0 < w.Lp; c0 += 2 * kLanes) update_heads<2>(w, h0, c0, padded / 2);
     }
   }
 }
@@ -420,16 +536,24 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
   // bfloat16 queries and rows multiply on AMX tiles where the kernels use them.
   const bool tiles = GLM53_HAS_AMX && amx_tiles() && q.scalar_type() == at::kBFloat16 &&
                      rows.scalar_type() == at::kBFloat16 && L % 2 == 0 && H >= kTileMinHeads;
+  // Else on bfloat16 dot products where the CPU has them, in the tiles' form (attend_pairs).
+#if GLM53_AVX512
+  const bool pairs = !tiles && has_bf16_dot() && q.scalar_type() == at::kBFloat16 &&
+                     rows.scalar_type() == at::kBFloat16 && L % 2 == 0 && H >= kTileMinHeads;
+#else
+  const bool pairs = false;
+#endif
   // Enough tasks for every thread where there are fewer queries than threads: the float32 path splits the heads; the
-  // tiles split the rows instead, into parts of at least kTileRows, each task one part with all the heads, merged
-  // after (split heads, every task would copy and lay out the same rows, with fewer heads to each product).
+  // tiles and pairs split the rows instead, into parts of at least kTileRows, each task one part with all the heads,
+  // merged after (split heads, every task would copy and lay out the same rows, with fewer heads to each product).
+  const bool products = tiles || pairs;
   const int64_t threads = at::get_num_threads();
   const int64_t split = T >= threads ? 1 : std::min<int64_t>(H, (threads + T - 1) / T);
-  const int64_t parts = tiles && T < threads ? std::clamp<int64_t>(std::min(split, N / kTileRows), 1, 64) : 1;
-  const int64_t per_task = tiles ? H : (H + split - 1) / split, n_groups = (H + per_task - 1) / per_task;
+  const int64_t parts = products && T < threads ? std::clamp<int64_t>(std::min(split, N / kTileRows), 1, 64) : 1;
+  const int64_t per_task = products ? H : (H + split - 1) / split, n_groups = (H + per_task - 1) / per_task;
 
-#if GLM53_HAS_AMX
-  if (tiles) {
+#if GLM53_AVX512
+  if (products) {
     const auto* base = rows.data_ptr<c10::BFloat16>();
     const auto* qb = q.data_ptr<c10::BFloat16>();
     // Parts' states (parts > 1): sums [T, parts, H, L], maxima and weight sums [T, parts, H].
@@ -439,14 +563,19 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
       std::vector<const c10::BFloat16*> sel(N);
       std::vector<float> of(H * L);
       TileScratch scratch(H, L);
-      amx_configure();
+#if GLM53_HAS_AMX
+      if (tiles) amx_configure();
+#endif
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t = task / parts, k = task % parts;
         const int64_t n_sel = selected_rows(idx, bt, req[t], t, N, block_size, max_blocks, n_blocks, base,
                                             rows.stride(0), rows.stride(1), sel.data(), what);
         const int64_t per_part = (n_sel + parts - 1) / parts, lo = std::min(n_sel, k * per_part),
                       hi = std::min(n_sel, lo + per_part);
-        attend_tiles(qb + t * q.stride(0), q.stride(1), H, sel.data() + lo, hi - lo, scale, scratch);
+#if GLM53_HAS_AMX
+        if (tiles) attend_tiles(qb + t * q.stride(0), q.stride(1), H, sel.data() + lo, hi - lo, scale, scratch);
+#endif
+        if (pairs) attend_pairs(qb + t * q.stride(0), q.stride(1), H, sel.data() + lo, hi - lo, scale, scratch);
         if (parts == 1) {
           merge_parts(scratch.acc.get(), scratch.ld, scratch.run_max.get(), scratch.run_sum.get(), 1, H, L, of.data());
           heads_from_float(of.data(), t, 0, H, out);
@@ -457,7 +586,9 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
         std::copy_n(scratch.run_max.get(), H, &part_max[task * H]);
         std::copy_n(scratch.run_sum.get(), H, &part_sum[task * H]);
       }
-      amx_release();
+#if GLM53_HAS_AMX
+      if (tiles) amx_release();
+#endif
     });
     if (parts > 1)
       at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {

@@ -589,12 +589,14 @@ def test_sparse_attention_paged_matches_torch(dtype, H, L):
 
 
 # bfloat16 queries and cache from 16 heads on: AMX tiles (csrc/sparse_mla.cpp attend_tiles) where the kernels use
-# them, else the float32 path. One block of 16 heads, two and a half (40: padded to a pair of pairs) and the
-# release's 64; latents of 40 (padded to the tiles' 32s) and 512. The rows' scores rise along the selection for half
-# the heads and fall for the others (a component along u grows with the position), so the running maximum moves
-# between the kernel's blocks of 256 rows: a request reads 700 rows in order (two whole blocks and a short one), 257
-# (one more than a block) and 33 shuffled, and one reads nothing (zeros).
-@pytest.mark.parametrize("H,L", [(16, 512), (40, 40), (64, 64)])
+# them, else bfloat16 dot products in the tiles' form (attend_pairs) where the CPU has them (and in the emulated
+# avx512 build), else the float32 path. One block of 16 heads, two and a half (40: padded to a pair of pairs) and the
+# release's 64; latents of 72 (padded to the tiles' 32s: six vectors of 16, the dot products' update in a pass of
+# four and one of two), 64 and 512. The rows' scores rise along the selection for half the heads and fall for the
+# others (a component along u grows with the position), so the running maximum moves between the kernel's blocks of
+# 256 rows: a request reads 700 rows in order (two whole blocks and a short one), 257 (one more than a block) and 33
+# shuffled, and one reads nothing (zeros).
+@pytest.mark.parametrize("H,L", [(16, 512), (40, 72), (64, 64)])
 def test_sparse_attention_bf16_many_heads_matches_torch(H, L, bf16_products):
     gen = _gen(33 + H)
     seq_lens, q_lens, row = [700, 300, 40], [2, 1, 1], L + 8
@@ -612,11 +614,13 @@ def test_sparse_attention_bf16_many_heads_matches_torch(H, L, bf16_products):
     got = mla.sparse_latent_attention_paged.implementation("compiled")(*args)
     want = mla.sparse_latent_attention_paged.implementation("torch")(*args)
     assert got.dtype == torch.bfloat16
-    # measured (ulps of max|reference|): AMX tiles 0.51-0.55 (each weight rounded to bfloat16), float32 path <= 0.13
+    # measured (ulps of max|reference|): AMX tiles 0.51-0.55, dot products 0.30-0.57 (each weight rounded to bfloat16),
+    # float32 path <= 0.13
     _close(got, want, ulps=1)
+    products = bf16_products == "AMX tiles" or "bfloat16 dot products" in kernels.description()
     assert torch.equal(got[3], torch.zeros_like(got[3]))
-    # one query alone on two threads: the float32 path splits its heads (the same values), the tiles its 700 rows
-    # (two parts, merged); with 33 selected rows in 33 columns the tiles take it whole (the same values)
+    # one query alone on two threads: the float32 path splits its heads (the same values), the tiles and dot products
+    # its 700 rows (two parts, merged); with 33 selected rows in 33 columns they take it whole (the same values)
     run, threads = mla.sparse_latent_attention_paged.implementation("compiled"), torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -625,7 +629,7 @@ def test_sparse_attention_bf16_many_heads_matches_torch(H, L, bf16_products):
     finally:
         torch.set_num_threads(threads)
     _close(one, want[:1], ulps=1)
-    if bf16_products != "AMX tiles":
+    if not products:
         assert torch.equal(one, got[:1])
     assert torch.equal(short, got[2:3])
 
