@@ -275,7 +275,10 @@ void start_attention(const c10::BFloat16* q, int64_t head_stride, int64_t nh, Ti
 // A block's nc rows (padded: nc rounded up to 32) in the layouts the products read, in one pass: rows 2i and 2i + 1
 // interleaved value by value (the update's B operand) and, with Staged, as they lie (the tiles' scores read them as
 // A tiles); zero rows past the last up to the products' 32 (a zero weight times a stale row could be NaN) and zero
-// columns past L.
+// columns past L. The selected rows lie at random places, so the pass requests the rows kPairsAhead pairs on while
+// it copies a pair (attend_pairs at the release's size, Zen 5: batch 8 3.6-3.8 -> 3.2-3.5 ms, batch 1 ~5 % less;
+// 8 pairs ahead the same, 16 less).
+constexpr int64_t kPairsAhead = 4;
 template <bool Staged>
 void lay_out_rows(const c10::BFloat16* const* rows, int64_t nc, int64_t padded, TileScratch& w) {
   const int64_t L = w.L, Lp = w.Lp;
@@ -284,6 +287,8 @@ void lay_out_rows(const c10::BFloat16* const* rows, int64_t nc, int64_t padded, 
                 hi_pair = _mm512_add_epi16(lo_pair, _mm512_set1_epi16(16));
   for (int64_t i = 0; i < padded / 2; ++i) {
     const c10::BFloat16 *r0 = 2 * i < nc ? rows[2 * i] : nullptr, *r1 = 2 * i + 1 < nc ? rows[2 * i + 1] : nullptr;
+    for (int64_t j = 2 * (i + kPairsAhead); j < std::min(nc, 2 * (i + kPairsAhead) + 2); ++j)
+      for (int64_t c = 0; c < L; c += 32) __builtin_prefetch(rows[j] + c);
     uint32_t* d = &w.pairs[i * w.ld];
     for (int64_t c = 0; c < Lp; c += 32) {
       const __mmask32 m = c + 32 <= L ? ~__mmask32(0) : __mmask32((1ull << std::max<int64_t>(L - c, 0)) - 1);
