@@ -388,7 +388,8 @@ GLM53_AMX void attend_tiles(const c10::BFloat16* q, int64_t head_stride, int64_t
 // sums in registers over the block, each head's pair of weights broadcast against the interleaved rows. 32 products
 // an instruction where the float32 path's FMA takes 16, with no widening of the rows: at the release's 64 heads that
 // path is bound by its multiply-adds. Release's size (64 heads, 2,051 rows, latent 512), Zen 5, 2 threads, cold:
-// batch 1 1.05-1.35 -> 0.53-0.58 ms, batch 8 7.0-7.6 -> 3.6-4.0 ms (benchmarks/README.md).
+// batch 1 1.05-1.35 -> 0.53-0.58 ms, batch 8 7.0-7.6 -> 3.6-4.0 ms (before the rows were requested ahead; with it
+// 3.2-3.5: benchmarks/README.md).
 constexpr int kScoreRows = 8;    // rows a pass of the scores: 16 accumulators with two blocks of heads
 constexpr int kUpdateHeads = 4;  // heads a pass of the update: 16 accumulators with 4 vectors of latent values
 
