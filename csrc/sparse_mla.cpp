@@ -261,8 +261,8 @@ struct TileScratch {
 
 constexpr int64_t kScores = kTileRows * kLanes;  // one block of heads' scores in TileScratch::s
 
-// The start of attend_tiles / attend_pairs: the heads' latent values in pairs (the scores' B operand: token_pairs_into's
-// layout, zero past the heads and L), the running sums zero, the softmax state empty.
+// The start of attend_tiles / attend_pairs: the heads' latent values in pairs (the scores' B operand:
+// token_pairs_into's layout, zero past the heads and L), the running sums zero, the softmax state empty.
 void start_attention(const c10::BFloat16* q, int64_t head_stride, int64_t nh, TileScratch& w) {
   std::fill_n(w.qp.get(), w.blocks * w.Lp / 2 * kLanes, 0u);
   token_pairs_into([&](int64_t h) { return q + h * head_stride; }, nh, w.L, w.Lp / 2, [](int64_t i) { return i; },
@@ -396,8 +396,9 @@ constexpr int kUpdateHeads = 4;  // heads a pass of the update: 16 accumulators 
 // w.s[b + j] (scores of G rows from ``rows``, the two blocks of heads whose pairs start at qp, per_block apart) for
 // the first n <= G of them, over the latent's P channel pairs.
 template <int G>
-[[gnu::always_inline]] GLM53_BF16_DOT inline void score_rows(const c10::BFloat16* const* rows, int n, const uint32_t* qp,
-                                                             int64_t per_block, int64_t P, float* s) {
+[[gnu::always_inline]] GLM53_BF16_DOT inline void score_rows(const c10::BFloat16* const* rows, int n,
+                                                             const uint32_t* qp, int64_t per_block, int64_t P,
+                                                             float* s) {
   __m512 acc[G][2];
 #pragma GCC unroll 8
   for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
