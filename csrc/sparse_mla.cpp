@@ -540,13 +540,13 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
   for (int64_t r = 0; r < n_req; ++r)
     for (int64_t t = qs[r]; t < qs[r + 1]; ++t) req[t] = r;
 
-  // bfloat16 queries and rows multiply on AMX tiles where the kernels use them.
-  const bool tiles = GLM53_HAS_AMX && amx_tiles() && q.scalar_type() == at::kBFloat16 &&
-                     rows.scalar_type() == at::kBFloat16 && L % 2 == 0 && H >= kTileMinHeads;
-  // Else on bfloat16 dot products where the CPU has them, in the tiles' form (attend_pairs).
+  // bfloat16 queries and rows from kTileMinHeads heads multiply on AMX tiles where the kernels use them, else on
+  // bfloat16 dot products where the CPU has them, in the tiles' form (attend_pairs).
+  const bool bf16_products = q.scalar_type() == at::kBFloat16 && rows.scalar_type() == at::kBFloat16 && L % 2 == 0 &&
+                             H >= kTileMinHeads;
+  const bool tiles = GLM53_HAS_AMX && amx_tiles() && bf16_products;
 #if GLM53_AVX512
-  const bool pairs = !tiles && has_bf16_dot() && q.scalar_type() == at::kBFloat16 &&
-                     rows.scalar_type() == at::kBFloat16 && L % 2 == 0 && H >= kTileMinHeads;
+  const bool pairs = bf16_products && !tiles && has_bf16_dot();
 #else
   const bool pairs = false;
 #endif
