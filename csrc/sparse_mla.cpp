@@ -4,13 +4,15 @@
 // Each query reads only its selected rows, straight from the cache pages through the block table, so a decode
 // step costs O(index width), not O(context). Rows are taken in blocks of 16: the heads of the task score the
 // block, then fold it into their accumulators with an online softmax (running max and sum, rescaled once per
-// block), so every selected row is fetched from memory once per task; heads go kHeads at a time (4 with
-// AVX-512, 2 with AVX2) so each load of a row feeds that many heads' FMAs. The selected rows sit at random places in the cache, one 2 KiB row here and
-// there, so the hardware prefetchers cannot run ahead of them: while a group of rows is scored, the next group's
-// rows are prefetched one cache line per lane group (about 2x faster than without, on the development machine;
-// prefetching a whole block at once overflowed the line-fill buffers and gained nothing). With bfloat16 queries and
-// cache and 16 or more heads, a CPU with AMX runs the attention as tile products instead (attend_tiles below), and
-// one with AVX512_BF16 but no AMX as the same products on bfloat16 dot products (attend_pairs).
+// block), so every selected row is fetched from memory once per task. Few heads go kHeads at a time (4 with AVX-512,
+// 2 with AVX2) so each load of a row feeds that many heads' FMAs; from 16 heads the scores put the heads on the lanes
+// instead, each latent value of a row broadcast against vectors of heads (score_lanes). The selected rows sit at random
+// places in the cache, one 2 KiB row here and there, so the hardware prefetchers cannot run ahead of them: while a
+// group of rows is scored, rows further on are requested one cache line per lane group (about 2x faster than without,
+// on the development machine; requesting a whole block at once overflowed the line-fill buffers and gained nothing).
+// With bfloat16 queries and cache and 16 or more heads, a CPU with AMX runs the attention as tile products instead
+// (attend_tiles below), and one with AVX512_BF16 but no AMX as the same products on bfloat16 dot products
+// (attend_pairs).
 
 #include <torch/library.h>
 
@@ -26,15 +28,71 @@
 namespace glm53 {
 namespace {
 
-// Tiles sized to the register file (vec.h): scoring keeps kHeads x kRowGroup partial sums and kHeads query
-// vectors, the update kHeads x kUnroll accumulators; 4 / 4 / 4 with AVX-512's 32 registers, 2 / 2 / 2 below.
-constexpr int kBlock = kLanes;                        // rows per online-softmax step (their logits fill one vector)
+// The float32 path's tiles sized to the register file (vec.h). Few heads (below kTileMinHeads): scoring keeps kHeads x
+// kRowGroup partial sums and kHeads query vectors, the update kHeads x kUnroll accumulators; 4 / 4 / 4 with AVX-512's
+// 32 registers, 2 / 2 / 2 below.
+constexpr int kBlock = kLanes;  // rows per online-softmax step
 constexpr int kTile = kVectorRegs >= 32 ? 4 : 2;
 constexpr int kHeads = kTile;     // heads that share each load of a row
 constexpr int kRowGroup = kTile;  // rows scored together
 constexpr int kUnroll = kTile;    // lane groups of the accumulators updated together
+// From kTileMinHeads heads the scores put the heads on the lanes (score_lanes): kLaneRows rows x kLaneVecs vectors
+// of 16 heads in registers, each latent value of a row broadcast (8 x 2 with AVX-512, 6 x 1 with AVX2: 12 of its 16
+// registers), and the update keeps kLaneHeads heads x kLaneUnroll lane groups.
+constexpr int kLaneRows = kVectorRegs >= 32 ? 8 : kVectorRegs >= 8 ? 6 : 2;
+constexpr int kLaneVecs = kVectorRegs >= 32 ? 2 : 1;
+constexpr int kLaneHeads = kVectorRegs >= 32 ? 4 : kVectorRegs >= 8 ? 6 : 2;
+constexpr int kLaneUnroll = kVectorRegs >= 32 ? 4 : 1;
+constexpr int64_t kTileMinHeads = 16;  // fewer heads score as below, and stay off the tiles (benchmarks/README.md)
 
-// One online-softmax step of HG heads over a block of nb <= kBlock rows (float32, L values each).
+// acc [HG, L] = corr[h] acc[h] + sum_{j < nb} p(h, j) row_j, p(h, j) = p[h * ph + j * pj], on the CU lane groups
+// from c0 (Whole: all of them below L): they stay in registers over the block for the HG heads, each lane group of a
+// row loaded once for all of them.
+template <int HG, int CU, bool Whole>
+[[gnu::always_inline]] inline void update_columns(const float* p, int64_t ph, int64_t pj, const float* corr,
+                                                  const float* const* blk, int nb, int64_t L, int64_t c0, float* acc) {
+  int m[CU];
+  F16 a[HG][CU];
+  for (int u = 0; u < CU; ++u) {
+    m[u] = Whole ? kLanes : static_cast<int>(std::clamp<int64_t>(L - c0 - u * kLanes, 0, kLanes));
+    for (int h = 0; h < HG; ++h) a[h][u] = load(acc + h * L + c0 + u * kLanes, m[u]) * set1(corr[h]);
+  }
+  for (int j = 0; j < nb; ++j) {
+    F16 r[CU];
+    for (int u = 0; u < CU; ++u) r[u] = load(blk[j] + c0 + u * kLanes, m[u]);
+    for (int h = 0; h < HG; ++h) {
+      const F16 w = set1(p[h * ph + j * pj]);
+      for (int u = 0; u < CU; ++u) a[h][u] = fma(w, r[u], a[h][u]);
+    }
+  }
+  for (int u = 0; u < CU; ++u)
+    for (int h = 0; h < HG; ++h) store(acc + h * L + c0 + u * kLanes, a[h][u], m[u]);
+}
+
+// update_columns over the whole latent: the masks of a partial last step out of the loop (inside it, a test and
+// branch beside every load of a row).
+template <int HG, int CU>
+void update_block(const float* p, int64_t ph, int64_t pj, const float* corr, const float* const* blk, int nb,
+                  int64_t L, float* acc) {
+  int64_t c0 = 0;
+  for (; c0 + CU * kLanes <= L; c0 += CU * kLanes) update_columns<HG, CU, true>(p, ph, pj, corr, blk, nb, L, c0, acc);
+  if (c0 < L) update_columns<HG, CU, false>(p, ph, pj, corr, blk, nb, L, c0, acc);
+}
+
+// The rows of the group after the one at j0 (this block's, else the next block's first), into ahead: the selected rows
+// sit at random places, so they are requested one cache line per lane group while the group at j0 is scored (without
+// it only the few rows being read have misses in flight).
+template <int G>
+int rows_ahead(const float* const* blk, int nb, const void* const* next, int n_next, int j0, const void** ahead) {
+  int n = 0;
+  for (int j = j0 + G; j < j0 + 2 * G; ++j) {
+    if (j < nb) ahead[n++] = blk[j];
+    else if (j - nb < n_next) ahead[n++] = next[j - nb];
+  }
+  return n;
+}
+
+// One online-softmax step of HG heads over a block of nb <= kBlock rows (float32, L values each), for few heads.
 // q [HG, L]; acc [HG, L], run_max / run_sum [HG] are the heads' running state.
 template <int HG>
 void attend_block(const float* q, int64_t L, const float* const* blk, int nb, const void* const* next, int n_next,
@@ -43,15 +101,8 @@ void attend_block(const float* q, int64_t L, const float* const* blk, int nb, co
   float logit[HG][kBlock];
   for (int j0 = 0; j0 < nb; j0 += kRowGroup) {
     const int nj = std::min(kRowGroup, nb - j0);
-    // The rows of the following group (this block's, else the next block's first) are prefetched one cache
-    // line per lane group while this group is scored: the selected rows sit at random places, so without it
-    // only the few rows being read have misses in flight.
     const void* ahead[kRowGroup];
-    int n_ahead = 0;
-    for (int j = j0 + kRowGroup; j < j0 + 2 * kRowGroup; ++j) {
-      if (j < nb) ahead[n_ahead++] = blk[j];
-      else if (j - nb < n_next) ahead[n_ahead++] = next[j - nb];
-    }
+    const int n_ahead = rows_ahead<kRowGroup>(blk, nb, next, n_next, j0, ahead);
     // A whole group of rows every time (a short last group repeats its last row, whose extra sums are dropped), and
     // the masked tail out of the loop: so the sums stay in registers. With a loop to nj and the mask inside, the
     // compiler kept them in memory too, a store beside every FMA (1.3x slower at 64 heads).
@@ -85,25 +136,7 @@ void attend_block(const float* q, int64_t L, const float* const* blk, int nb, co
     run_sum[h] = run_sum[h] * corr[h] + reduce_add(load(p[h], nb));
     run_max[h] = m_new;
   }
-  // acc = corr * acc + sum_j p_j row_j: kUnroll lane groups of all HG heads stay in registers over the block.
-  for (int64_t c0 = 0; c0 < L; c0 += kUnroll * kLanes) {
-    int m[kUnroll];
-    F16 a[HG][kUnroll];
-    for (int u = 0; u < kUnroll; ++u) {
-      m[u] = static_cast<int>(std::clamp<int64_t>(L - c0 - u * kLanes, 0, kLanes));
-      for (int h = 0; h < HG; ++h) a[h][u] = load(acc + h * L + c0 + u * kLanes, m[u]) * set1(corr[h]);
-    }
-    for (int j = 0; j < nb; ++j) {
-      F16 r[kUnroll];
-      for (int u = 0; u < kUnroll; ++u) r[u] = load(blk[j] + c0 + u * kLanes, m[u]);
-      for (int h = 0; h < HG; ++h) {
-        const F16 pj = set1(p[h][j]);
-        for (int u = 0; u < kUnroll; ++u) a[h][u] = fma(pj, r[u], a[h][u]);
-      }
-    }
-    for (int u = 0; u < kUnroll; ++u)
-      for (int h = 0; h < HG; ++h) store(acc + h * L + c0 + u * kLanes, a[h][u], m[u]);
-  }
+  update_block<HG, kUnroll>(&p[0][0], kBlock, 1, corr, blk, nb, L, acc);
 }
 
 // attend_block for the last ``hg`` <= HG heads of a query (its instantiation picked by hg).
@@ -115,40 +148,148 @@ void attend_heads(int64_t hg, const float* q, int64_t L, const float* const* blk
   attend_block<HG>(q, L, blk, nb, next, n_next, scale, acc, run_max, run_sum);
 }
 
-// One query, heads [0, nh): q [nh, L] float32, rows[i] -> the L latent values of selected row i.
-// out [nh, L] = sum_i softmax_i(scale * q . row_i) row_i; zeros when there are no rows.
+// s[r * ld + v * 16 + i] (r < n) = row r of ``group`` . head 16 v + i's query, for V vectors of 16 heads whose queries
+// are qt [V, L, 16] (the heads on the lanes). Each latent value of a row is broadcast against V vectors of heads, so a
+// column costs V vector loads and R broadcasts for R x V FMAs (the form with the latent on the lanes loads a row
+// vector per head pair and sums each head's lanes after). A short group repeats its last row (its sums dropped).
+template <int R, int V>
+void score_lanes(const float* qt, int64_t L, const float* const* group, int n, const void* const* ahead, int n_ahead,
+                 int64_t lines, float* s, int64_t ld) {
+  F16 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = zero();
+  const auto column = [&](int64_t c) {
+    F16 qv[V];
+    for (int v = 0; v < V; ++v) qv[v] = load(qt + (v * L + c) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const F16 x = set1(group[r][c]);
+      for (int v = 0; v < V; ++v) acc[r][v] = fma(x, qv[v], acc[r][v]);
+    }
+  };
+  // Whole lane groups, then the rest: with the group's length a variable, the compiler kept the sums in memory too.
+  int64_t c0 = 0;
+  for (; c0 + kLanes <= L; c0 += kLanes) {
+    if (c0 / kLanes < lines)
+      for (int a = 0; a < n_ahead; ++a) __builtin_prefetch(static_cast<const char*>(ahead[a]) + c0 / kLanes * 64);
+    for (int i = 0; i < kLanes; ++i) column(c0 + i);
+  }
+  for (; c0 < L; ++c0) column(c0);
+  for (int r = 0; r < n; ++r)
+    for (int v = 0; v < V; ++v) store(s + r * ld + v * kLanes, acc[r][v]);
+}
+
+// score_lanes for the last ``nv`` <= V vectors of heads (its instantiation picked by nv).
+template <int V = kLaneVecs>
+void score_vectors(int64_t nv, const float* qt, int64_t L, const float* const* group, int n, const void* const* ahead,
+                   int n_ahead, int64_t lines, float* s, int64_t ld) {
+  if constexpr (V > 1)
+    if (nv < V) return score_vectors<V - 1>(nv, qt, L, group, n, ahead, n_ahead, lines, s, ld);
+  score_lanes<kLaneRows, V>(qt, L, group, n, ahead, n_ahead, lines, s, ld);
+}
+
+// update_block for the last ``hg`` <= HG heads, their weights p(h, j) = p[h + j * pj].
+template <int HG = kLaneHeads>
+void update_heads(int64_t hg, const float* p, int64_t pj, const float* corr, const float* const* blk, int nb,
+                  int64_t L, float* acc) {
+  if constexpr (HG > 1)
+    if (hg < HG) return update_heads<HG - 1>(hg, p, pj, corr, blk, nb, L, acc);
+  update_block<HG, kLaneUnroll>(p, 1, pj, corr, blk, nb, L, acc);
+}
+
+// One task's buffers on the float32 path, for up to ``heads`` heads (padded to vectors of 16 on the lanes) of latent L.
+struct FloatScratch {
+  int64_t Hp;
+  std::vector<float> row_buf;    // [kBlock, L] the block's rows widened (caches other than float32)
+  std::vector<float> q, qt;      // [heads, L] the queries; [Hp / 16, L, 16] with the heads on the lanes
+  std::vector<float> acc, out;   // [heads, L] running sums; the result
+  std::vector<float> s;          // [kBlock, Hp] a block's scores, then weights (heads on the lanes)
+  std::vector<float> run_max, run_sum, corr;  // [Hp]
+  FloatScratch(int64_t heads, int64_t L)
+      : Hp((heads + kLanes - 1) / kLanes * kLanes), row_buf(kBlock * L), q(heads * L), qt(Hp * L), acc(heads * L),
+        out(heads * L), s(kBlock * Hp), run_max(Hp), run_sum(Hp), corr(Hp) {}
+};
+
+// One block of nb rows for nh heads with the scores on the lanes (w.qt's nv vectors of heads), the next block's rows
+// (n_next of them, ``lines`` cache lines each) requested while it is scored.
+void lanes_block(int64_t nh, int64_t nv, int64_t L, const float* const* blk, int nb, const void* const* next,
+                 int n_next, int64_t lines, float scale, FloatScratch& w) {
+  const int64_t Hp = nv * kLanes;
+  float* s = w.s.data();
+  for (int j0 = 0; j0 < nb; j0 += kLaneRows) {
+    const int n = std::min(kLaneRows, nb - j0);
+    const float* group[kLaneRows];
+    for (int g = 0; g < kLaneRows; ++g) group[g] = blk[j0 + std::min(g, n - 1)];
+    const int n_ahead = std::clamp(n_next - j0, 0, kLaneRows);
+    for (int64_t v = 0; v < nv; v += kLaneVecs)  // the group's rows stay in L1 over the vectors of heads
+      score_vectors(nv - v, &w.qt[v * L * kLanes], L, group, n, next + j0, v == 0 ? n_ahead : 0, lines,
+                    s + j0 * Hp + v * kLanes, Hp);
+  }
+  // The online softmax on vectors of 16 heads.
+  for (int64_t v = 0; v < nv; ++v) {
+    const F16 m_old = load(&w.run_max[v * kLanes]);
+    F16 m = m_old, sum = zero();
+    for (int j = 0; j < nb; ++j) {
+      const F16 x = load(s + j * Hp + v * kLanes) * set1(scale);
+      store(s + j * Hp + v * kLanes, x);
+      m = vmax(m, x);
+    }
+    for (int j = 0; j < nb; ++j) {
+      const F16 e = exp(load(s + j * Hp + v * kLanes) - m);
+      store(s + j * Hp + v * kLanes, e);
+      sum = sum + e;
+    }
+    const F16 corr = exp(m_old - m);  // 0 on the first block (max was -inf)
+    store(&w.corr[v * kLanes], corr);
+    store(&w.run_sum[v * kLanes], load(&w.run_sum[v * kLanes]) * corr + sum);
+    store(&w.run_max[v * kLanes], m);
+  }
+  for (int64_t h = 0; h < nh; h += kLaneHeads)
+    update_heads(std::min<int64_t>(kLaneHeads, nh - h), s + h, Hp, &w.corr[h], blk, nb, L, &w.acc[h * L]);
+}
+
+// One query, heads [0, nh): w.q [nh, L] float32, rows[i] -> the L latent values of selected row i.
+// w.out [nh, L] = sum_i softmax_i(scale * q . row_i) row_i; zeros when there are no rows. ``lanes``: the scores with
+// the heads on the lanes (score_lanes; the caller decides by the model's heads, so a query's values do not depend on
+// how its heads were split between threads).
 template <typename T>
-void attend(const float* q, int64_t nh, int64_t L, const T* const* rows, int64_t n_rows, float scale, float* out,
-            float* row_buf /*[kBlock, L]*/, float* acc /*[nh, L]*/, float* run_max, float* run_sum) {
-  std::fill(acc, acc + nh * L, 0.0f);
-  std::fill(run_max, run_max + nh, -std::numeric_limits<float>::infinity());
-  std::fill(run_sum, run_sum + nh, 0.0f);
+void attend(int64_t nh, int64_t L, const T* const* rows, int64_t n_rows, float scale, bool lanes, FloatScratch& w) {
+  const int64_t nv = (nh + kLanes - 1) / kLanes;
+  std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+  std::fill(w.run_max.begin(), w.run_max.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.run_sum.begin(), w.run_sum.end(), 0.0f);
+  if (lanes)
+    for (int64_t v = 0; v < nv; ++v)
+      for (int64_t c = 0; c < L; ++c)
+        for (int i = 0; i < kLanes; ++i) {
+          const int64_t h = v * kLanes + i;
+          w.qt[(v * L + c) * kLanes + i] = h < nh ? w.q[h * L + c] : 0.0f;
+        }
   const float* blk[kBlock];
   for (int64_t b0 = 0; b0 < n_rows; b0 += kBlock) {
     const int nb = static_cast<int>(std::min<int64_t>(kBlock, n_rows - b0));
-    // The first rows of the next block, prefetched while this block's last group is scored (float caches:
-    // other dtypes are converted into row_buf row by row, which streams them anyway).
     const void* const* next = reinterpret_cast<const void* const*>(rows + b0 + nb);
-    const int n_next =
-        std::is_same_v<T, float> ? static_cast<int>(std::min<int64_t>(kRowGroup, n_rows - b0 - nb)) : 0;
+    const int n_next = static_cast<int>(std::min<int64_t>(kBlock, n_rows - b0 - nb));
     for (int j = 0; j < nb; ++j) {
       if constexpr (std::is_same_v<T, float>) {
         blk[j] = rows[b0 + j];
       } else {
-        to_float(rows[b0 + j], row_buf + j * L, L);
-        blk[j] = row_buf + j * L;
+        to_float(rows[b0 + j], &w.row_buf[j * L], L);
+        blk[j] = &w.row_buf[j * L];
       }
     }
-    for (int64_t h = 0; h < nh; h += kHeads) {
-      const float* qh = q + h * L;
-      float* ah = acc + h * L;
-      attend_heads(std::min<int64_t>(kHeads, nh - h), qh, L, blk, nb, next, n_next, scale, ah, run_max + h,
-                   run_sum + h);
+    if (lanes) {  // the next block's rows requested while this one is scored, one line per lane group
+      lanes_block(nh, nv, L, blk, nb, next, n_next, (L * sizeof(T) + 63) / 64, scale, w);
+      continue;
     }
+    // Few heads: the first rows of the next block requested while this block's last group is scored (float caches;
+    // other dtypes are converted into row_buf row by row, which streams them).
+    for (int64_t h = 0; h < nh; h += kHeads)
+      attend_heads(std::min<int64_t>(kHeads, nh - h), &w.q[h * L], L, blk, nb, next,
+                   std::is_same_v<T, float> ? n_next : 0, scale, &w.acc[h * L], &w.run_max[h], &w.run_sum[h]);
   }
   for (int64_t h = 0; h < nh; ++h) {
-    const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
-    for (int64_t c = 0; c < L; ++c) out[h * L + c] = acc[h * L + c] * inv;
+    const float inv = w.run_sum[h] > 0.0f ? 1.0f / w.run_sum[h] : 0.0f;
+    for (int64_t c = 0; c < L; ++c) w.out[h * L + c] = w.acc[h * L + c] * inv;
   }
 }
 
@@ -186,7 +327,6 @@ void heads_from_float(const float* src, int64_t t, int64_t h0, int64_t nh, at::T
   });
 }
 
-constexpr int64_t kTileMinHeads = 16;  // fewer heads stay on the float32 path (measured: benchmarks/README.md)
 constexpr int64_t kTileRows = 256;  // rows per online-softmax step on the tiles: a multiple of 32 (the update's K)
 
 #if GLM53_AVX512
@@ -609,20 +749,21 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
     return out;
   }
 #endif
+  // The float32 path scores with the heads on the lanes from kTileMinHeads heads (decided by H, not by the heads of a
+  // task: so a query's values do not depend on how many threads split its heads).
+  const bool lanes = H >= kTileMinHeads;
   GLM53_DISPATCH_FLOAT_TYPES(rows.scalar_type(), what, [&] {
     const scalar_t* base = rows.data_ptr<scalar_t>();
     at::parallel_for(0, T * n_groups, 1, [&](int64_t begin, int64_t end) {
       std::vector<const scalar_t*> sel(N);
-      std::vector<float> row_buf(kBlock * L), acc(per_task * L), run(2 * per_task), qf(per_task * L),
-          of(per_task * L);
+      FloatScratch scratch(per_task, L);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t t = task / n_groups, h0 = (task % n_groups) * per_task, nh = std::min(per_task, H - h0);
         const int64_t n_sel = selected_rows(idx, bt, req[t], t, N, block_size, max_blocks, n_blocks, base,
                                             rows.stride(0), rows.stride(1), sel.data(), what);
-        heads_to_float(q, t, h0, nh, qf.data());
-        attend(qf.data(), nh, L, sel.data(), n_sel, scale, of.data(), row_buf.data(), acc.data(), run.data(),
-               run.data() + per_task);
-        heads_from_float(of.data(), t, h0, nh, out);
+        heads_to_float(q, t, h0, nh, scratch.q.data());
+        attend(nh, L, sel.data(), n_sel, scale, lanes, scratch);
+        heads_from_float(scratch.out.data(), t, h0, nh, out);
       }
     });
   });

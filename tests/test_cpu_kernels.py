@@ -546,7 +546,7 @@ def test_select_batch_identical_to_torch(integer_valued, dtype, nI, dI, bs, bf16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("H,L", [(3, 40), (4, 512)])
+@pytest.mark.parametrize("H,L", [(3, 40), (4, 512), (21, 40)])  # 21: on the lanes (score_lanes), odd
 def test_sparse_attention_paged_matches_torch(dtype, H, L):
     gen = _gen(30)
     N, row = 19, L + 9
@@ -588,24 +588,28 @@ def test_sparse_attention_paged_matches_torch(dtype, H, L):
         run(q.double(), pages, plan, idx, scale, L)
 
 
-# bfloat16 queries and cache from 16 heads on: AMX tiles (csrc/sparse_mla.cpp attend_tiles) where the kernels use
-# them, else bfloat16 dot products in the tiles' form (attend_pairs) where the CPU has them (and in the emulated
-# avx512 build), else the float32 path. One block of 16 heads, two and a half (40: padded to a pair of pairs) and the
-# release's 64; latents of 72 (padded to the tiles' 32s: six vectors of 16, the dot products' update in a pass of
-# four and one of two), 64 and 512. The rows' scores rise along the selection for half the heads and fall for the
-# others (a component along u grows with the position), so the running maximum moves between the kernel's blocks of
-# 256 rows: a request reads 700 rows in order (two whole blocks and a short one), 257 (one more than a block) and 33
-# shuffled, and one reads nothing (zeros).
+# From 16 heads on, bfloat16 queries and cache multiply on AMX tiles (csrc/sparse_mla.cpp attend_tiles) where the
+# kernels use them, else on bfloat16 dot products in the tiles' form (attend_pairs) where the CPU has them (and in the
+# emulated avx512 build), else on the float32 path, which scores them with the heads on the lanes (score_lanes), as it
+# does float32 queries and cache on every build. One vector of 16 heads, two and a half (40: padded to a pair of
+# pairs on the products; on the float32 path a score pass of two vectors and one of one with AVX-512, and an update
+# pass of fewer heads than the others on every build) and the release's 64; latents of 72 (padded to the tiles' 32s:
+# six vectors of 16, the dot products' update in a pass of four and one of two; on the float32 path lane groups and a
+# part of one), 64 and 512. The rows' scores rise along the selection for half the heads and fall for the others (a
+# component along u grows with the position), so the running maximum moves between the kernels' blocks (256 rows on
+# the products, 16 on the float32 path): a request reads 700 rows in order (two whole blocks and a short one of the
+# products'), 257 (one more than a block) and 33 shuffled, and one reads nothing (zeros).
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("H,L", [(16, 512), (40, 72), (64, 64)])
-def test_sparse_attention_bf16_many_heads_matches_torch(H, L, bf16_products):
+def test_sparse_attention_many_heads_matches_torch(H, L, dtype, bf16_products):
     gen = _gen(33 + H)
     seq_lens, q_lens, row = [700, 300, 40], [2, 1, 1], L + 8
     u = torch.randn(L, generator=gen)
     u = torch.cat([u / u.norm(), torch.zeros(8)])
-    pages, table = _paged(seq_lens, row, 64, torch.bfloat16, 34 + H, lambda r, S: 0.5 * torch.randn(
+    pages, table = _paged(seq_lens, row, 64, dtype, 34 + H, lambda r, S: 0.5 * torch.randn(
         S, row, generator=gen) + 4 * (torch.arange(S) / S)[:, None] * u)
     sign = torch.tensor([1.0, -1.0]).repeat(H // 2 + 1)[:H, None]
-    q = (torch.randn(4, H, L, generator=gen) + 3 * sign * u[:L]).bfloat16()
+    q = (torch.randn(4, H, L, generator=gen) + 3 * sign * u[:L]).to(dtype)
     idx = torch.full((4, 700), -1, dtype=torch.int64)
     idx[0] = torch.arange(700)
     idx[1, :257] = torch.randperm(700, generator=gen)[:257].sort().values
@@ -613,11 +617,14 @@ def test_sparse_attention_bf16_many_heads_matches_torch(H, L, bf16_products):
     args = (q, pages, _latent_plan(q_lens, seq_lens, table), idx, 0.5, L)
     got = mla.sparse_latent_attention_paged.implementation("compiled")(*args)
     want = mla.sparse_latent_attention_paged.implementation("torch")(*args)
-    assert got.dtype == torch.bfloat16
-    # measured (ulps of max|reference|): AMX tiles 0.51-0.55, dot products 0.30-0.57 (each weight rounded to bfloat16),
-    # float32 path <= 0.13
-    _close(got, want, ulps=1)
-    products = bf16_products == "AMX tiles" or "bfloat16 dot products" in kernels.description()
+    assert got.dtype == dtype
+    # measured (ulps of max|reference| in the output's dtype): bfloat16 on AMX tiles 0.51-0.55, on dot products
+    # 0.30-0.57 (each weight rounded to bfloat16), on the float32 path <= 0.13; float32 4.4-31 (the heads on the lanes
+    # sum each score in one chain over the latent: 512 terms at H = 16)
+    ulps = 1 if dtype == torch.bfloat16 else 40
+    _close(got, want, ulps=ulps)
+    products = dtype == torch.bfloat16 and (bf16_products == "AMX tiles" or
+                                            "bfloat16 dot products" in kernels.description())
     assert torch.equal(got[3], torch.zeros_like(got[3]))
     # one query alone on two threads: the float32 path splits its heads (the same values), the tiles and dot products
     # its 700 rows (two parts, merged); with 33 selected rows in 33 columns they take it whole (the same values)
@@ -628,7 +635,7 @@ def test_sparse_attention_bf16_many_heads_matches_torch(H, L, bf16_products):
         short = run(q[2:3], pages, _latent_plan([1], seq_lens[1:2], table[1:2]), idx[2:3, :33], 0.5, L)
     finally:
         torch.set_num_threads(threads)
-    _close(one, want[:1], ulps=1)
+    _close(one, want[:1], ulps=ulps)
     if not products:
         assert torch.equal(one, got[:1])
     assert torch.equal(short, got[2:3])
