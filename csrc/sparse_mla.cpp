@@ -376,23 +376,24 @@ inline void transpose_16x16(__m512* r) {
 
 // One task's buffers on the tiles, for ``heads`` heads (attend_tiles' nh) in blocks of 16, an even number of blocks
 // (an odd count gets a block of zero queries: every product takes two), and a latent of L values padded to Lp. Left
-// uninitialised (attend_tiles writes what it reads; zeroing them was a cold call's ~0.7 MB of stores).
+// uninitialised (attend_tiles writes what it reads; zeroing them was a cold call's ~0.7 MB of stores). ``staged``:
+// with the copy of the rows as they lie, which only the tiles read (attend_pairs reads the rows in the cache).
 struct TileScratch {
   template <typename T>
   using Buffer = std::unique_ptr<T[]>;
   // Rows of the tiles' operands lie ld (4-byte values) or ld16 (bfloat16) apart, one cache line more than their width:
   // at a power of two (2 KiB for the release's latent) a tile's 16 rows fell into two of the L1's sets.
   int64_t blocks, L, Lp, ld, ld16, ldp;
-  Buffer<c10::BFloat16> stage;  // [kTileRows, ld16] the block's rows as they lie (A of the scores)
+  Buffer<c10::BFloat16> stage;  // [kTileRows, ld16] the block's rows as they lie (A of the scores), if staged
   Buffer<uint32_t> pairs;       // [kTileRows / 2, ld] rows 2i and 2i + 1 interleaved (B of the update)
   Buffer<uint32_t> qp;          // [blocks, Lp / 2, 16] the heads' latent values in pairs (B of the scores)
   Buffer<float> s;              // [blocks, kTileRows, 16] scores, then softmax weights
   Buffer<c10::BFloat16> p;      // [blocks, 16, ldp] the weights, heads as rows (A of the update)
   Buffer<float> acc;            // [blocks * 16, ld] running sums
   Buffer<float> run_max, run_sum;
-  TileScratch(int64_t heads, int64_t L_)
+  TileScratch(int64_t heads, int64_t L_, bool staged)
       : blocks((heads + 2 * kLanes - 1) / (2 * kLanes) * 2), L(L_), Lp((L_ + 31) / 32 * 32), ld(Lp + 16),
-        ld16(Lp + 32), ldp(kTileRows + 32), stage(new c10::BFloat16[kTileRows * ld16]),
+        ld16(Lp + 32), ldp(kTileRows + 32), stage(staged ? new c10::BFloat16[kTileRows * ld16] : nullptr),
         pairs(new uint32_t[kTileRows / 2 * ld]), qp(new uint32_t[blocks * Lp / 2 * kLanes]),
         s(new float[blocks * kTileRows * kLanes]), p(new c10::BFloat16[blocks * kLanes * ldp]),
         acc(new float[blocks * kLanes * ld]), run_max(new float[blocks * kLanes]),
@@ -709,7 +710,7 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
     at::parallel_for(0, T * parts, 1, [&](int64_t begin, int64_t end) {
       std::vector<const c10::BFloat16*> sel(N);
       std::vector<float> of(H * L);
-      TileScratch scratch(H, L);
+      TileScratch scratch(H, L, tiles);
 #if GLM53_HAS_AMX
       if (tiles) amx_configure();
 #endif
