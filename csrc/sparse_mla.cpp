@@ -79,19 +79,6 @@ void update_block(const float* p, int64_t ph, int64_t pj, const float* corr, con
   if (c0 < L) update_columns<HG, CU, false>(p, ph, pj, corr, blk, nb, L, c0, acc);
 }
 
-// The rows of the group after the one at j0 (this block's, else the next block's first), into ahead: the selected rows
-// sit at random places, so they are requested one cache line per lane group while the group at j0 is scored (without
-// it only the few rows being read have misses in flight).
-template <int G>
-int rows_ahead(const float* const* blk, int nb, const void* const* next, int n_next, int j0, const void** ahead) {
-  int n = 0;
-  for (int j = j0 + G; j < j0 + 2 * G; ++j) {
-    if (j < nb) ahead[n++] = blk[j];
-    else if (j - nb < n_next) ahead[n++] = next[j - nb];
-  }
-  return n;
-}
-
 // One online-softmax step of HG heads over a block of nb <= kBlock rows (float32, L values each), for few heads.
 // q [HG, L]; acc [HG, L], run_max / run_sum [HG] are the heads' running state.
 template <int HG>
@@ -101,8 +88,15 @@ void attend_block(const float* q, int64_t L, const float* const* blk, int nb, co
   float logit[HG][kBlock];
   for (int j0 = 0; j0 < nb; j0 += kRowGroup) {
     const int nj = std::min(kRowGroup, nb - j0);
+    // The rows of the following group (this block's, else the next block's first) are prefetched one cache
+    // line per lane group while this group is scored: the selected rows sit at random places, so without it
+    // only the few rows being read have misses in flight.
     const void* ahead[kRowGroup];
-    const int n_ahead = rows_ahead<kRowGroup>(blk, nb, next, n_next, j0, ahead);
+    int n_ahead = 0;
+    for (int j = j0 + kRowGroup; j < j0 + 2 * kRowGroup; ++j) {
+      if (j < nb) ahead[n_ahead++] = blk[j];
+      else if (j - nb < n_next) ahead[n_ahead++] = next[j - nb];
+    }
     // A whole group of rows every time (a short last group repeats its last row, whose extra sums are dropped), and
     // the masked tail out of the loop: so the sums stay in registers. With a loop to nj and the mask inside, the
     // compiler kept them in memory too, a store beside every FMA (1.3x slower at 64 heads).
