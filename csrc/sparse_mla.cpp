@@ -203,6 +203,28 @@ struct FloatScratch {
         out(heads * L), s(kBlock * Hp), run_max(Hp), run_sum(Hp), corr(Hp) {}
 };
 
+// The online softmax of n rows' scores on one vector of 16 heads (row j's unscaled scores at s + j * ld): each
+// scaled, then replaced by its weight exp(score - maximum); the heads' running maximum and sum updated. Returns the
+// factor the heads' running sums take, exp(old maximum - new) (0 on the first block, whose maximum was -inf).
+inline F16 softmax_rows(float* s, int64_t ld, int64_t n, float scale, float* run_max, float* run_sum) {
+  const F16 sc = set1(scale), m_old = load(run_max);
+  F16 m = m_old, sum = zero();
+  for (int64_t j = 0; j < n; ++j) {
+    const F16 x = load(s + j * ld) * sc;
+    store(s + j * ld, x);
+    m = vmax(m, x);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const F16 e = exp(load(s + j * ld) - m);
+    store(s + j * ld, e);
+    sum = sum + e;
+  }
+  const F16 corr = exp(m_old - m);
+  store(run_sum, load(run_sum) * corr + sum);
+  store(run_max, m);
+  return corr;
+}
+
 // One block of nb rows for nh heads with the scores on the lanes (w.qt's nv vectors of heads), the next block's rows
 // (n_next of them, ``lines`` cache lines each) requested while it is scored.
 void lanes_block(int64_t nh, int64_t nv, int64_t L, const float* const* blk, int nb, const void* const* next,
@@ -218,25 +240,9 @@ void lanes_block(int64_t nh, int64_t nv, int64_t L, const float* const* blk, int
       score_vectors(nv - v, &w.qt[v * L * kLanes], L, group, n, next + j0, v == 0 ? n_ahead : 0, lines,
                     s + j0 * Hp + v * kLanes, Hp);
   }
-  // The online softmax on vectors of 16 heads.
-  for (int64_t v = 0; v < nv; ++v) {
-    const F16 m_old = load(&w.run_max[v * kLanes]);
-    F16 m = m_old, sum = zero();
-    for (int j = 0; j < nb; ++j) {
-      const F16 x = load(s + j * Hp + v * kLanes) * set1(scale);
-      store(s + j * Hp + v * kLanes, x);
-      m = vmax(m, x);
-    }
-    for (int j = 0; j < nb; ++j) {
-      const F16 e = exp(load(s + j * Hp + v * kLanes) - m);
-      store(s + j * Hp + v * kLanes, e);
-      sum = sum + e;
-    }
-    const F16 corr = exp(m_old - m);  // 0 on the first block (max was -inf)
-    store(&w.corr[v * kLanes], corr);
-    store(&w.run_sum[v * kLanes], load(&w.run_sum[v * kLanes]) * corr + sum);
-    store(&w.run_max[v * kLanes], m);
-  }
+  for (int64_t v = 0; v < nv; ++v)
+    store(&w.corr[v * kLanes],
+          softmax_rows(s + v * kLanes, Hp, nb, scale, &w.run_max[v * kLanes], &w.run_sum[v * kLanes]));
   for (int64_t h = 0; h < nh; h += kLaneHeads)
     update_heads(std::min<int64_t>(kLaneHeads, nh - h), s + h, Hp, &w.corr[h], blk, nb, L, &w.acc[h * L]);
 }
@@ -445,27 +451,11 @@ void lay_out_rows(const c10::BFloat16* const* rows, int64_t nc, int64_t padded, 
 // w.p, zero past nc up to padded; the running maxima and sums updated, and the running sums of the heads whose
 // maximum rose rescaled (``first``: the first block, whose sums are still zero).
 void softmax_block(int64_t nc, int64_t padded, float scale, bool first, TileScratch& w) {
-  const F16 sc = set1(scale);
   for (int64_t b = 0; b < w.blocks; ++b) {
     float* sb = &w.s[b * kScores];
-    const F16 m_old = load(&w.run_max[b * kLanes]);
-    F16 m = m_old;
-    for (int64_t j = 0; j < nc; ++j) {
-      const F16 x = load(sb + j * kLanes) * sc;
-      store(sb + j * kLanes, x);
-      m = vmax(m, x);
-    }
-    F16 sum = zero();
-    for (int64_t j = 0; j < nc; ++j) {
-      const F16 e = exp(load(sb + j * kLanes) - m);
-      store(sb + j * kLanes, e);
-      sum = sum + e;
-    }
-    std::fill(sb + nc * kLanes, sb + padded * kLanes, 0.0f);
     alignas(64) float corr[kLanes];
-    store(corr, exp(m_old - m));
-    store(&w.run_sum[b * kLanes], load(&w.run_sum[b * kLanes]) * load(corr) + sum);
-    store(&w.run_max[b * kLanes], m);
+    store(corr, softmax_rows(sb, kLanes, nc, scale, &w.run_max[b * kLanes], &w.run_sum[b * kLanes]));
+    std::fill(sb + nc * kLanes, sb + padded * kLanes, 0.0f);
     for (int64_t g = 0; g < padded; g += kLanes) {
       __m512 r[kLanes];
       for (int i = 0; i < kLanes; ++i) r[i] = _mm512_loadu_ps(sb + (g + i) * kLanes);
