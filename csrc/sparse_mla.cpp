@@ -247,13 +247,14 @@ void lanes_block(int64_t nh, int64_t nv, int64_t L, const float* const* blk, int
     update_heads(std::min<int64_t>(kLaneHeads, nh - h), s + h, Hp, &w.corr[h], blk, nb, L, &w.acc[h * L]);
 }
 
-// One query, heads [0, nh): w.q [nh, L] float32, rows[i] -> the L latent values of selected row i.
-// w.out [nh, L] = sum_i softmax_i(scale * q . row_i) row_i; zeros when there are no rows. ``lanes``: the scores with
-// the heads on the lanes (score_lanes; the caller decides by the model's heads, so a query's values do not depend on
-// how its heads were split between threads).
+// One query's nh heads over some of its rows: w.q [nh, L] float32, rows[i] -> the L latent values of selected row i.
+// Leaves the online softmax's state (merge_parts makes the result of it): w.acc [nh, L] = sum_i exp(scale * q . row_i
+// - w.run_max) row_i, w.run_max [nh] the largest scaled score (-inf without rows), w.run_sum [nh] the weights' sum.
+// From kTileMinHeads heads the scores put the heads on the lanes (score_lanes).
 template <typename T>
-void attend(int64_t nh, int64_t L, const T* const* rows, int64_t n_rows, float scale, bool lanes, FloatScratch& w) {
+void attend(int64_t nh, int64_t L, const T* const* rows, int64_t n_rows, float scale, FloatScratch& w) {
   const int64_t nv = (nh + kLanes - 1) / kLanes;
+  const bool lanes = nh >= kTileMinHeads;
   std::fill(w.acc.begin(), w.acc.end(), 0.0f);
   std::fill(w.run_max.begin(), w.run_max.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.run_sum.begin(), w.run_sum.end(), 0.0f);
@@ -286,10 +287,6 @@ void attend(int64_t nh, int64_t L, const T* const* rows, int64_t n_rows, float s
     for (int64_t h = 0; h < nh; h += kHeads)
       attend_heads(std::min<int64_t>(kHeads, nh - h), &w.q[h * L], L, blk, nb, next,
                    std::is_same_v<T, float> ? n_next : 0, scale, &w.acc[h * L], &w.run_max[h], &w.run_sum[h]);
-  }
-  for (int64_t h = 0; h < nh; ++h) {
-    const float inv = w.run_sum[h] > 0.0f ? 1.0f / w.run_sum[h] : 0.0f;
-    for (int64_t c = 0; c < L; ++c) w.out[h * L + c] = w.acc[h * L + c] * inv;
   }
 }
 
@@ -325,6 +322,37 @@ void heads_from_float(const float* src, int64_t t, int64_t h0, int64_t nh, at::T
   GLM53_DISPATCH_FLOAT_TYPES(out.scalar_type(), "sparse_latent_attention", [&] {
     from_float(src, out.data_ptr<scalar_t>() + (t * H + h0) * L, nh * L);
   });
+}
+
+// A lone query's rows are split into at most kMaxParts parts (sparse_latent_attention); the float32 path's have at
+// least kFloatPartRows rows, two of its online-softmax steps; each thread of their merge reads kMergeValues sums or
+// more (256 KiB).
+constexpr int64_t kMaxParts = 64;
+constexpr int64_t kFloatPartRows = 2 * kBlock;
+constexpr int64_t kMergeValues = 1 << 16;
+
+// Heads [h0, h1) of one query from parts of its rows attended separately (attend's or attend_tiles' state of each):
+// part k's unnormalised sums acc[k] [H, L] (rows ``ld`` apart), its heads' largest scaled scores m[k] [H] and weight
+// sums s[k] [H] (relative to m[k]) -> out [h1 - h0, L]. Each part is weighted by exp(m[k] - max over parts) (0 for a
+// part without rows: m = -inf), as the online softmax rescales; one part is its own result, normalised.
+void merge_parts(const float* acc, int64_t ld, const float* m, const float* s, int64_t parts, int64_t H, int64_t h0,
+                 int64_t h1, int64_t L, float* out) {
+  for (int64_t h = h0; h < h1; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < parts; ++k) top = std::max(top, m[k * H + h]);
+    float sum = 0.0f, wk[kMaxParts];
+    for (int64_t k = 0; k < parts; ++k) {
+      wk[k] = m[k * H + h] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[k * H + h] - top);
+      sum += wk[k] * s[k * H + h];
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    float* o = out + (h - h0) * L;
+    for (int64_t c = 0; c < L; ++c) {
+      float v = wk[0] * acc[h * ld + c];
+      for (int64_t k = 1; k < parts; ++k) v += wk[k] * acc[(k * H + h) * ld + c];
+      o[c] = v * inv;
+    }
+  }
 }
 
 constexpr int64_t kTileRows = 256;  // rows per online-softmax step on the tiles: a multiple of 32 (the update's K)
@@ -600,28 +628,6 @@ template <int CU>
   }
 }
 
-// One query's attention from parts of its rows attended separately (attend_tiles' state of each): part k's
-// unnormalised sums acc[k] [H, L] (rows ``ld`` apart), its heads' largest scaled scores m[k] [H] and weight sums s[k]
-// [H] (relative to m[k]) -> out [H, L]. Each part is weighted by exp(m[k] - max over parts) (0 for a part without
-// rows: m = -inf), as the online softmax rescales; one part is its own result, normalised.
-void merge_parts(const float* acc, int64_t ld, const float* m, const float* s, int64_t parts, int64_t H, int64_t L,
-                 float* out) {
-  for (int64_t h = 0; h < H; ++h) {
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t k = 0; k < parts; ++k) top = std::max(top, m[k * H + h]);
-    float sum = 0.0f, wk[64];
-    for (int64_t k = 0; k < parts; ++k) {
-      wk[k] = m[k * H + h] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[k * H + h] - top);
-      sum += wk[k] * s[k * H + h];
-    }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t c = 0; c < L; ++c) {
-      float v = wk[0] * acc[h * ld + c];
-      for (int64_t k = 1; k < parts; ++k) v += wk[k] * acc[(k * H + h) * ld + c];
-      out[h * L + c] = v * inv;
-    }
-  }
-}
 #endif
 
 }  // namespace
@@ -675,22 +681,43 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
 #else
   const bool pairs = false;
 #endif
-  // Enough tasks for every thread where there are fewer queries than threads: the float32 path splits the heads; the
-  // tiles and pairs split the rows instead, into parts of at least kTileRows, each task one part with all the heads,
-  // merged after (split heads, every task would copy and lay out the same rows, with fewer heads to each product).
+  // Enough tasks for every thread where there are fewer queries than threads: a query's rows are split into parts,
+  // each task one part with all the heads, merged after (merge_parts), so a lone query's values depend on the threads
+  // (in the last bits). Split heads instead, every task would read, widen or lay out all the rows for fewer heads,
+  // and the float32 path's vectors of 16 heads would run part-empty (64 heads on 16 threads: 4 heads a task, each
+  // task the arithmetic of 16). A part has at least kTileRows rows on the products (their softmax step), else
+  // kFloatPartRows.
   const bool products = tiles || pairs;
-  const int64_t threads = at::get_num_threads();
-  const int64_t split = T >= threads ? 1 : std::min<int64_t>(H, (threads + T - 1) / T);
-  const int64_t parts = products && T < threads ? std::clamp<int64_t>(std::min(split, N / kTileRows), 1, 64) : 1;
-  const int64_t per_task = products ? H : (H + split - 1) / split, n_groups = (H + per_task - 1) / per_task;
+  const int64_t threads = at::get_num_threads(), min_rows = products ? kTileRows : kFloatPartRows;
+  const int64_t parts =
+      T < threads ? std::clamp<int64_t>(std::min((threads + T - 1) / T, N / min_rows), 1, kMaxParts) : 1;
+  // A task's part of its query's n_sel selected rows: [lo, hi).
+  const auto part_rows = [&](int64_t task, int64_t n_sel) {
+    const int64_t per_part = (n_sel + parts - 1) / parts, lo = std::min(n_sel, task % parts * per_part);
+    return std::pair<int64_t, int64_t>{lo, std::min(n_sel, lo + per_part)};
+  };
+  // Parts' states (parts > 1): sums [T, parts, H, L], maxima and weight sums [T, parts, H]; each task writes its own
+  // before the merge reads them (not zeroed: a lone query's can be MiBs, which one thread would clear).
+  const int64_t n_part_heads = parts > 1 ? T * parts * H : 0;
+  std::unique_ptr<float[]> part_acc(new float[n_part_heads * L]), part_max(new float[n_part_heads]),
+      part_sum(new float[n_part_heads]);
+  // A task's state (sums ``ld`` apart): its query's result when it is the only part, else its part's entries.
+  const auto finish = [&](int64_t task, const float* acc, int64_t ld, const float* run_max, const float* run_sum,
+                          float* of) {
+    if (parts == 1) {
+      merge_parts(acc, ld, run_max, run_sum, 1, H, 0, H, L, of);
+      heads_from_float(of, task, 0, H, out);  // one part a query: the task is the query
+      return;
+    }
+    for (int64_t h = 0; h < H; ++h) std::memcpy(&part_acc[(task * H + h) * L], acc + h * ld, L * sizeof(float));
+    std::copy_n(run_max, H, &part_max[task * H]);
+    std::copy_n(run_sum, H, &part_sum[task * H]);
+  };
 
 #if GLM53_AVX512
   if (products) {
     const auto* base = rows.data_ptr<c10::BFloat16>();
     const auto* qb = q.data_ptr<c10::BFloat16>();
-    // Parts' states (parts > 1): sums [T, parts, H, L], maxima and weight sums [T, parts, H].
-    std::vector<float> part_acc(parts > 1 ? T * parts * H * L : 0), part_max(parts > 1 ? T * parts * H : 0),
-        part_sum(part_max.size());
     at::parallel_for(0, T * parts, 1, [&](int64_t begin, int64_t end) {
       std::vector<const c10::BFloat16*> sel(N);
       std::vector<float> of(H * L);
@@ -699,59 +726,51 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
       if (tiles) amx_configure();
 #endif
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t t = task / parts, k = task % parts;
+        const int64_t t = task / parts;
         const int64_t n_sel = selected_rows(idx, bt, req[t], t, N, block_size, max_blocks, n_blocks, base,
                                             rows.stride(0), rows.stride(1), sel.data(), what);
-        const int64_t per_part = (n_sel + parts - 1) / parts, lo = std::min(n_sel, k * per_part),
-                      hi = std::min(n_sel, lo + per_part);
+        const auto [lo, hi] = part_rows(task, n_sel);
 #if GLM53_HAS_AMX
         if (tiles) attend_tiles(qb + t * q.stride(0), q.stride(1), H, sel.data() + lo, hi - lo, scale, scratch);
 #endif
         if (pairs) attend_pairs(qb + t * q.stride(0), q.stride(1), H, sel.data() + lo, hi - lo, scale, scratch);
-        if (parts == 1) {
-          merge_parts(scratch.acc.get(), scratch.ld, scratch.run_max.get(), scratch.run_sum.get(), 1, H, L, of.data());
-          heads_from_float(of.data(), t, 0, H, out);
-          continue;
-        }
-        for (int64_t h = 0; h < H; ++h)
-          std::memcpy(&part_acc[(task * H + h) * L], &scratch.acc[h * scratch.ld], L * sizeof(float));
-        std::copy_n(scratch.run_max.get(), H, &part_max[task * H]);
-        std::copy_n(scratch.run_sum.get(), H, &part_sum[task * H]);
+        finish(task, scratch.acc.get(), scratch.ld, scratch.run_max.get(), scratch.run_sum.get(), of.data());
       }
 #if GLM53_HAS_AMX
       if (tiles) amx_release();
 #endif
     });
-    if (parts > 1)
-      at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> of(H * L);
-        for (int64_t t = begin; t < end; ++t) {
-          merge_parts(&part_acc[t * parts * H * L], L, &part_max[t * parts * H], &part_sum[t * parts * H], parts, H,
-                      L, of.data());
-          heads_from_float(of.data(), t, 0, H, out);
-        }
-      });
-    return out;
   }
 #endif
-  // The float32 path scores with the heads on the lanes from kTileMinHeads heads (decided by H, not by the heads of a
-  // task: so a query's values do not depend on how many threads split its heads).
-  const bool lanes = H >= kTileMinHeads;
-  GLM53_DISPATCH_FLOAT_TYPES(rows.scalar_type(), what, [&] {
-    const scalar_t* base = rows.data_ptr<scalar_t>();
-    at::parallel_for(0, T * n_groups, 1, [&](int64_t begin, int64_t end) {
-      std::vector<const scalar_t*> sel(N);
-      FloatScratch scratch(per_task, L);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t t = task / n_groups, h0 = (task % n_groups) * per_task, nh = std::min(per_task, H - h0);
-        const int64_t n_sel = selected_rows(idx, bt, req[t], t, N, block_size, max_blocks, n_blocks, base,
-                                            rows.stride(0), rows.stride(1), sel.data(), what);
-        heads_to_float(q, t, h0, nh, scratch.q.data());
-        attend(nh, L, sel.data(), n_sel, scale, lanes, scratch);
-        heads_from_float(scratch.out.data(), t, h0, nh, out);
+  if (!products)
+    GLM53_DISPATCH_FLOAT_TYPES(rows.scalar_type(), what, [&] {
+      const scalar_t* base = rows.data_ptr<scalar_t>();
+      at::parallel_for(0, T * parts, 1, [&](int64_t begin, int64_t end) {
+        std::vector<const scalar_t*> sel(N);
+        FloatScratch scratch(H, L);
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t t = task / parts;
+          const int64_t n_sel = selected_rows(idx, bt, req[t], t, N, block_size, max_blocks, n_blocks, base,
+                                              rows.stride(0), rows.stride(1), sel.data(), what);
+          const auto [lo, hi] = part_rows(task, n_sel);
+          heads_to_float(q, t, 0, H, scratch.q.data());
+          attend(H, L, sel.data() + lo, hi - lo, scale, scratch);
+          finish(task, scratch.acc.data(), L, scratch.run_max.data(), scratch.run_sum.data(), scratch.out.data());
+        }
+      });
+    });
+  // The parts' merge, split by (query, head) between the threads where it reads enough (kMergeValues a thread) to
+  // pay for another parallel region: a lone query's parts are what the threads were split for.
+  if (parts > 1)
+    at::parallel_for(0, T * H, (kMergeValues + parts * L - 1) / (parts * L), [&](int64_t begin, int64_t end) {
+      std::vector<float> of(L);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / H, h = i % H;
+        merge_parts(&part_acc[t * parts * H * L], L, &part_max[t * parts * H], &part_sum[t * parts * H], parts, H, h,
+                    h + 1, L, of.data());
+        heads_from_float(of.data(), t, h, 1, out);
       }
     });
-  });
   return out;
 }
 

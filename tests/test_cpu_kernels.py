@@ -606,17 +606,25 @@ MANY_HEADS = [(16, 512), (40, 72), (64, 64)]
 def test_sparse_attention_bf16_many_heads_matches_torch(H, L, bf16_products):
     # measured (ulps of max|reference|): AMX tiles 0.51-0.55, dot products 0.30-0.57 (each weight rounded to bfloat16),
     # float32 path <= 0.13
-    products = bf16_products == "AMX tiles" or "bfloat16 dot products" in kernels.description()
-    _check_many_heads(H, L, torch.bfloat16, ulps=1, products=products)
+    _check_long_selections(H, L, torch.bfloat16, ulps=1)
 
 
 @pytest.mark.parametrize("H,L", MANY_HEADS)
 def test_sparse_attention_float32_many_heads_matches_torch(H, L):
-    # measured: 4.4-31 ulps (the heads on the lanes sum each score in one chain over the latent: 512 terms at H = 16)
-    _check_many_heads(H, L, torch.float32, ulps=40, products=False)
+    # measured: 4.4-33 ulps (the heads on the lanes sum each score in one chain over the latent: 512 terms at H = 16;
+    # 33 for the 700 rows alone in eight parts)
+    _check_long_selections(H, L, torch.float32, ulps=40)
 
 
-def _check_many_heads(H, L, dtype, ulps, products):
+# Few heads (the kernel-friendly checkpoint's 4) over the same selections: the float32 path's few-heads form, either
+# dtype.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_few_heads_long_selections_match_torch(dtype):
+    # measured (ulps of max|reference|, every build): float32 4.7-4.9, bfloat16 0
+    _check_long_selections(4, 96, dtype, ulps=12 if dtype == torch.float32 else 1)
+
+
+def _check_long_selections(H, L, dtype, ulps):
     gen = _gen(33 + H)
     seq_lens, q_lens, row = [700, 300, 40], [2, 1, 1], L + 8
     u = torch.randn(L, generator=gen)
@@ -635,19 +643,25 @@ def _check_many_heads(H, L, dtype, ulps, products):
     assert got.dtype == dtype
     _close(got, want, ulps=ulps)
     assert torch.equal(got[3], torch.zeros_like(got[3]))
-    # one query alone on two threads: the float32 path splits its heads (the same values), the tiles and dot products
-    # its 700 rows (two parts, merged); with 33 selected rows in 33 columns they take it whole (the same values)
+    # one query alone: its rows are split into parts between the threads, merged after (parts of at least 256 rows
+    # on the tiles and dot products, 32 on the float32 path): the 700 rows in two parts on two threads, in eight (two
+    # on the products) on eight; 33 rows selected in a row of 700 in eight parts of 5 (the last empty) on the float32
+    # path; 33 in a row of 33 whole (the batch's values); nothing selected on eight threads (zeros)
     run, threads = mla.sparse_latent_attention_paged.implementation("compiled"), torch.get_num_threads()
-    torch.set_num_threads(2)
+
+    def alone(t, r, n):  # token t (of request r) alone, its first n selection columns
+        return run(q[t : t + 1], pages, _latent_plan([1], seq_lens[r : r + 1], table[r : r + 1]), idx[t : t + 1, :n],
+                   0.5, L)
+
     try:
-        one = run(q[:1], pages, _latent_plan([1], seq_lens[:1], table[:1]), idx[:1], 0.5, L)
-        short = run(q[2:3], pages, _latent_plan([1], seq_lens[1:2], table[1:2]), idx[2:3, :33], 0.5, L)
+        for n_threads in (2, 8):
+            torch.set_num_threads(n_threads)
+            _close(alone(0, 0, 700), want[:1], ulps=ulps)
+            _close(alone(2, 1, 700), want[2:3], ulps=ulps)
+        assert torch.equal(alone(2, 1, 33), got[2:3])
+        assert torch.equal(alone(3, 2, 700), torch.zeros_like(got[3:4]))
     finally:
         torch.set_num_threads(threads)
-    _close(one, want[:1], ulps=ulps)
-    if not products:
-        assert torch.equal(one, got[:1])
-    assert torch.equal(short, got[2:3])
 
 
 def test_sparse_attention_one_sequence_matches_torch():
