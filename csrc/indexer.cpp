@@ -261,6 +261,34 @@ std::vector<uint32_t> query_pairs(const at::Tensor& q, int64_t blocks, int64_t d
   return xq;
 }
 
+// The lines of the keys a pass of the pairs' loop (score_pools_pairs) scores next, requested one a step of the pass's
+// loop over the channel pairs (line(i) at step i; rest(steps) after it), spread over the arithmetic. Requested in a
+// burst before the pass (32 lines), they held the L1's few miss buffers and the loop waited on them: on Zen 5, 15 %
+// of the loop's samples sat on the instruction after the requests, and spread they take a cold call 8-25 % down. The
+// float32 lanes loop keeps its burst (spread there, a cold call took 1.3-1.6x longer: benchmarks/README.md). Lines
+// past kMax (keys wider than the release's) are requested at once.
+struct LineRequests {
+  static constexpr int64_t kMax = 64;
+  const char* at[kMax];
+  int64_t n = 0;
+  template <typename T>
+  LineRequests(const T* const* keys, int64_t n_keys, int64_t dI) {
+    const int64_t bytes = dI * static_cast<int64_t>(sizeof(T));
+    for (int64_t k = 0; k < n_keys; ++k)
+      for (int64_t b = 0; b < bytes; b += 64) {
+        const char* line = reinterpret_cast<const char*>(keys[k]) + b;
+        if (n < kMax) at[n++] = line;
+        else __builtin_prefetch(line);
+      }
+  }
+  void line(int64_t i) const {
+    if (i < n) __builtin_prefetch(at[i]);
+  }
+  void rest(int64_t from) const {
+    for (int64_t i = from; i < n; ++i) __builtin_prefetch(at[i]);
+  }
+};
+
 // With bfloat16 queries and keys (a bfloat16 model's) on a CPU with bfloat16 dot products (AVX512_BF16: AMD from
 // Zen 4, Intel from Cooper Lake) where the tiles do not run, the lanes loop multiplies channel pairs: one vdpbf16ps
 // takes a vector of 16 heads' query pairs (query_pairs) and one key's channel pair broadcast, 32 products where
@@ -272,13 +300,15 @@ std::vector<uint32_t> query_pairs(const at::Tensor& q, int64_t blocks, int64_t d
 template <int HB, int G>
 [[gnu::always_inline]] GLM53_BF16_DOT inline void score_head_block_pairs(const c10::BFloat16* const* keys,
                                                                         const uint32_t* xq, int64_t block, int64_t P,
-                                                                        float scale, const float* w, float* s) {
+                                                                        float scale, const float* w, float* s,
+                                                                        const LineRequests* req) {
   F16 acc[G][HB];
 #pragma GCC unroll 16
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
     for (int b = 0; b < HB; ++b) acc[g][b] = zero();
   for (int64_t p = 0; p < P; ++p) {
+    if (req) req->line(p);
     __m512i qp[HB];
 #pragma GCC unroll 4
     for (int b = 0; b < HB; ++b) qp[b] = _mm512_loadu_si512(xq + b * block + p * kLanes);
@@ -291,24 +321,30 @@ template <int HB, int G>
       for (int b = 0; b < HB; ++b) acc[g][b] = {dot_pairs(acc[g][b].v, qp[b], x)};
     }
   }
+  if (req) req->rest(P);
   add_head_block<HB, G>(acc, scale, w, s);
 }
 
-// out[g] for G keys of 2P channels; xq one token's query pairs (blocks of 16 heads, P pairs each).
+// out[g] for G keys of 2P channels; xq one token's query pairs (blocks of 16 heads, P pairs each); ``req``: the
+// next keys' lines, requested over the first block of heads (or null).
 template <int G>
 [[gnu::always_inline]] GLM53_BF16_DOT inline void score_keys_pairs(const c10::BFloat16* const* keys,
                                                                   const uint32_t* xq, const float* w, int64_t blocks,
-                                                                  int64_t P, float scale, float* out) {
+                                                                  int64_t P, float scale, float* out,
+                                                                  const LineRequests* req) {
   float s[G] = {};
   const int64_t block = P * kLanes;
   int64_t b = 0;
   for (; b + kHeadVectors <= blocks; b += kHeadVectors)
-    score_head_block_pairs<kHeadVectors, G>(keys, xq + b * block, block, P, scale, w + b * kLanes, s);
-  for (; b < blocks; ++b) score_head_block_pairs<1, G>(keys, xq + b * block, block, P, scale, w + b * kLanes, s);
+    score_head_block_pairs<kHeadVectors, G>(keys, xq + b * block, block, P, scale, w + b * kLanes, s,
+                                            b == 0 ? req : nullptr);
+  for (; b < blocks; ++b)
+    score_head_block_pairs<1, G>(keys, xq + b * block, block, P, scale, w + b * kLanes, s, b == 0 ? req : nullptr);
   for (int g = 0; g < G; ++g) out[g] = s[g];
 }
 
-// score_pools_heads on the pairs (xq, w: one token's, heads padded to whole blocks), with the same requests ahead.
+// score_pools_heads on the pairs (xq, w: one token's, heads padded to whole blocks), the next keys' lines requested
+// over each pass (LineRequests).
 [[gnu::noinline]] GLM53_BF16_DOT void score_pools_pairs(const c10::BFloat16* const* keys, int64_t n,
                                                         const c10::BFloat16* const* ahead, int64_t n_ahead,
                                                         const uint32_t* xq, const float* w, int64_t blocks, int64_t dI,
@@ -316,12 +352,12 @@ template <int G>
   const int64_t P = dI / 2;
   int64_t i = 0;
   for (; i + kKeysPerPass <= n; i += kKeysPerPass) {
-    for (int64_t j = i; j < std::min(i + kKeysPerPass, n_ahead); ++j) request_key(ahead[j], dI);
-    score_keys_pairs<kKeysPerPass>(keys + i, xq, w, blocks, P, scale, out + i);
+    const LineRequests req(ahead + i, std::clamp<int64_t>(n_ahead - i, 0, kKeysPerPass), dI);
+    score_keys_pairs<kKeysPerPass>(keys + i, xq, w, blocks, P, scale, out + i, &req);
   }
   for (; i < n; ++i) {
     if (i < n_ahead) request_key(ahead[i], dI);
-    score_keys_pairs<1>(keys + i, xq, w, blocks, P, scale, out + i);
+    score_keys_pairs<1>(keys + i, xq, w, blocks, P, scale, out + i, nullptr);
   }
   for (int64_t j = n; j < n_ahead; ++j) request_key(ahead[j], dI);
 }
