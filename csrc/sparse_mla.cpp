@@ -759,8 +759,8 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
         }
       });
     });
-  // The parts' merge, split by (query, head) between the threads where it reads enough (kMergeValues a thread) to
-  // pay for another parallel region: a lone query's parts are what the threads were split for.
+  // The parts' merge, split by (query, head) between the threads where each reads kMergeValues sums or more (fewer,
+  // and another parallel region costs more than it saves).
   if (parts > 1)
     at::parallel_for(0, T * H, (kMergeValues + parts * L - 1) / (parts * L), [&](int64_t begin, int64_t end) {
       std::vector<float> of(L);
