@@ -264,7 +264,7 @@ std::vector<uint32_t> query_pairs(const at::Tensor& q, int64_t blocks, int64_t d
 // The lines of the keys a pass of the pairs' loop (score_pools_pairs) scores next, requested one a step of the pass's
 // loop over the channel pairs (line(i) at step i; rest(steps) after it), spread over the arithmetic. Requested in a
 // burst before the pass (32 lines), they held the L1's few miss buffers and the loop waited on them: on Zen 5, 15 %
-// of the loop's samples sat on the instruction after the requests, and spread they take a cold call 8-25 % down. The
+// of the loop's samples sat on the instruction after the requests, and spread they take a cold call 3-27 % down. The
 // float32 lanes loop keeps its burst (spread there, a cold call took 1.3-1.6x longer: benchmarks/README.md). Lines
 // past kMax (keys wider than the release's) are requested at once.
 struct LineRequests {

@@ -290,13 +290,13 @@ void attend(int64_t nh, int64_t L, const T* const* rows, int64_t n_rows, float s
   }
 }
 
-// Heads [h0, h0 + nh) of token t of x [T, H, L] (any float dtype, L contiguous) as float32 rows into dst [nh, L],
-// and back: src [nh, L] into those heads of out (contiguous), each value rounded once to out's dtype.
-void heads_to_float(const at::Tensor& x, int64_t t, int64_t h0, int64_t nh, float* dst) {
-  const int64_t L = x.size(2);
+// Token t's heads of x [T, H, L] (any float dtype, L contiguous) as float32 rows into dst [H, L], and back: src
+// [nh, L] into heads [h0, h0 + nh) of out (contiguous), each value rounded once to out's dtype.
+void heads_to_float(const at::Tensor& x, int64_t t, float* dst) {
+  const int64_t H = x.size(1), L = x.size(2);
   GLM53_DISPATCH_FLOAT_TYPES(x.scalar_type(), "sparse_latent_attention", [&] {
-    const scalar_t* src = x.data_ptr<scalar_t>() + t * x.stride(0) + h0 * x.stride(1);
-    for (int64_t h = 0; h < nh; ++h) to_float(src + h * x.stride(1), dst + h * L, L);
+    const scalar_t* src = x.data_ptr<scalar_t>() + t * x.stride(0);
+    for (int64_t h = 0; h < H; ++h) to_float(src + h * x.stride(1), dst + h * L, L);
   });
 }
 
@@ -753,7 +753,7 @@ at::Tensor sparse_latent_attention(const at::Tensor& q_lat, const at::Tensor& ro
           const int64_t n_sel = selected_rows(idx, bt, req[t], t, N, block_size, max_blocks, n_blocks, base,
                                               rows.stride(0), rows.stride(1), sel.data(), what);
           const auto [lo, hi] = part_rows(task, n_sel);
-          heads_to_float(q, t, 0, H, scratch.q.data());
+          heads_to_float(q, t, scratch.q.data());
           attend(H, L, sel.data() + lo, hi - lo, scale, scratch);
           finish(task, scratch.acc.data(), L, scratch.run_max.data(), scratch.run_sum.data(), scratch.out.data());
         }
