@@ -20,9 +20,10 @@ demo: setup
 
 # setup-triton: the GPU kernels are also tested on the CPU through Triton's interpreter, in their own venv.
 # The kernel build is quick when csrc/ has not changed since the last one, and fails loudly when it does not compile.
+# --durations: the log names the slowest tests, to keep the suite well under 30 minutes on 2 cores.
 test: setup setup-triton
 	$(PY) -m vllm_glm53.backends.cpu.build --if-compiler
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra --durations=30 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-triton build *.egg-info
