@@ -328,19 +328,19 @@ HF_PROCESSOR_FILES = {
 }
 
 
-@pytest.mark.parametrize("size", [(300, 400), (64, 900)])
-def test_the_plugins_renderer_feeds_vllms_own_multimodal_processor(size, tmp_path_factory):
-    """A chat with an image, rendered by the plugin (the tokenizer mode's format), goes through vLLM's own GLM5Next
-    processor (in a child process: it needs a torchvision stand-in) and through the plugin's: the same expanded
-    prompt, placeholder ranges, patch grid and number of pixel rows."""
+IMAGE_SIZES = [(300, 400), (64, 900)]
+
+
+@pytest.fixture(scope="module")
+def handoff(tmp_path_factory):
+    """A tiny checkpoint with the released processor files, a chat with one image rendered by the plugin, an image
+    of each of IMAGE_SIZES, and what vLLM's own GLM5Next processor makes of each (one child process for all: it
+    needs a torchvision stand-in): ``(checkpoint, prompt, {size: (pixels, vLLM's summary)})``."""
     import shutil
 
     import numpy as np
-    from PIL import Image
     from transformers import AutoTokenizer
 
-    from tests.vllm_glm5next import summarize
-    from vllm_glm53 import testing
     from vllm_glm53.chat import render
     from vllm_glm53.tiny import build_checkpoint
 
@@ -351,16 +351,32 @@ def test_the_plugins_renderer_feeds_vllms_own_multimodal_processor(size, tmp_pat
         (ckpt / name).write_text(json.dumps(content))
     text = render([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}])
     prompt = AutoTokenizer.from_pretrained(str(ckpt)).encode(text, add_special_tokens=False)
-    pixels = np.random.default_rng(7).integers(0, 256, (*size, 3), dtype=np.uint8)
-    np.save(root / "image.npy", pixels)
-    (root / "spec.json").write_text(json.dumps({"prompt": prompt, "image": str(root / "image.npy"),
-                                                "max_model_len": 4096}))
+    images, specs = {}, []
+    for i, size in enumerate(IMAGE_SIZES):
+        images[size] = np.random.default_rng(7 + i).integers(0, 256, (*size, 3), dtype=np.uint8)
+        np.save(root / f"image{i}.npy", images[size])
+        specs.append({"prompt": prompt, "image": str(root / f"image{i}.npy"), "max_model_len": 4096})
+    (root / "specs.json").write_text(json.dumps(specs))
 
     out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "vllm_glm5next.py"), "process",
-                          str(ckpt), str(root / "spec.json")], capture_output=True, text=True, timeout=600)
+                          str(ckpt), str(root / "specs.json")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     theirs = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("PROCESSED"))[len("PROCESSED"):])
+    return ckpt, prompt, {size: (images[size], summary) for size, summary in zip(IMAGE_SIZES, theirs)}
 
+
+@pytest.mark.parametrize("size", IMAGE_SIZES)
+def test_the_plugins_renderer_feeds_vllms_own_multimodal_processor(size, handoff):
+    """A chat with an image, rendered by the plugin (the tokenizer mode's format), goes through vLLM's own GLM5Next
+    processor and through the plugin's: the same expanded prompt, placeholder ranges, patch grid and number of pixel
+    rows."""
+    from PIL import Image
+
+    from tests.vllm_glm5next import summarize
+    from vllm_glm53 import testing
+
+    ckpt, prompt, processed = handoff
+    pixels, theirs = processed[size]
     ours_processor = testing.multimodal_processor(ckpt, max_model_len=4096, limit_mm_per_prompt={"image": 1, "video": 0})
     ours = summarize(ours_processor(prompt, ours_processor.info.parse_mm_data({"image": [Image.fromarray(pixels)]}),
                                     hf_processor_mm_kwargs={}))
