@@ -362,7 +362,7 @@ def handoff(tmp_path_factory):
                           str(ckpt), str(root / "specs.json")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     theirs = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("PROCESSED"))[len("PROCESSED"):])
-    return ckpt, prompt, {size: (images[size], summary) for size, summary in zip(IMAGE_SIZES, theirs)}
+    return ckpt, prompt, {size: (images[size], summary) for size, summary in zip(IMAGE_SIZES, theirs, strict=True)}
 
 
 @pytest.mark.parametrize("size", IMAGE_SIZES)
