@@ -351,15 +351,15 @@ def handoff(tmp_path_factory):
         (ckpt / name).write_text(json.dumps(content))
     text = render([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}])
     prompt = AutoTokenizer.from_pretrained(str(ckpt)).encode(text, add_special_tokens=False)
-    images, specs = {}, []
+    images, paths = {}, []
     for i, size in enumerate(IMAGE_SIZES):
         images[size] = np.random.default_rng(7 + i).integers(0, 256, (*size, 3), dtype=np.uint8)
-        np.save(root / f"image{i}.npy", images[size])
-        specs.append({"prompt": prompt, "image": str(root / f"image{i}.npy"), "max_model_len": 4096})
-    (root / "specs.json").write_text(json.dumps(specs))
+        paths.append(str(root / f"image{i}.npy"))
+        np.save(paths[-1], images[size])
+    (root / "spec.json").write_text(json.dumps({"prompt": prompt, "images": paths, "max_model_len": 4096}))
 
     out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "vllm_glm5next.py"), "process",
-                          str(ckpt), str(root / "specs.json")], capture_output=True, text=True, timeout=600)
+                          str(ckpt), str(root / "spec.json")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     theirs = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("PROCESSED"))[len("PROCESSED"):])
     return ckpt, prompt, {size: (images[size], summary) for size, summary in zip(IMAGE_SIZES, theirs, strict=True)}

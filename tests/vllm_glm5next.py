@@ -59,11 +59,11 @@ def vllm_interfaces() -> dict[str, list[str]]:
     return json.loads(line[len("INTERFACES"):])
 
 
-def process(checkpoint: str, specs: list[dict]) -> list[dict]:
-    """vLLM's own GLM5Next multimodal processor on each spec's ``prompt`` and one image (``image``: a ``.npy``
-    file), built for the spec's ``max_model_len``: prompt ids, placeholder ranges, patch grid and pixel rows. The
-    plugin's general registration runs as in any vLLM process (tokenizer mode ...), then the architecture is pointed
-    back at vLLM's own class, which is what registers vLLM's processor."""
+def process(checkpoint: str, prompt: list[int], images_npy: list[str], max_model_len: int) -> list[dict]:
+    """vLLM's own GLM5Next multimodal processor on ``prompt`` with each image in turn (``.npy`` files): prompt ids,
+    placeholder ranges, patch grid and pixel rows, one summary per image. The plugin's general registration runs as
+    in any vLLM process (tokenizer mode ...), then the architecture is pointed back at vLLM's own class, which is
+    what registers vLLM's processor."""
     glm5next = install()  # first: transformers decides once, at its import, whether torchvision exists
     import numpy as np
     from PIL import Image
@@ -76,15 +76,12 @@ def process(checkpoint: str, specs: list[dict]) -> list[dict]:
     load_general_plugins()
     arch = "Glm5NextForConditionalGeneration"
     ModelRegistry.models[arch] = _RegisteredModel.from_model_cls(getattr(glm5next, arch))
-    out = []
-    for spec in specs:
-        processor = MULTIMODAL_REGISTRY.create_processor(ModelConfig(
-            model=checkpoint, max_model_len=spec["max_model_len"], limit_mm_per_prompt={"image": 1, "video": 0}))
-        assert type(processor).__module__.startswith("vllm.models.glm5next"), type(processor)
-        image = Image.fromarray(np.load(spec["image"]))
-        out.append(summarize(processor(spec["prompt"], processor.info.parse_mm_data({"image": [image]}),
-                                       hf_processor_mm_kwargs={})))
-    return out
+    processor = MULTIMODAL_REGISTRY.create_processor(
+        ModelConfig(model=checkpoint, max_model_len=max_model_len, limit_mm_per_prompt={"image": 1, "video": 0}))
+    assert type(processor).__module__.startswith("vllm.models.glm5next"), type(processor)
+    return [summarize(processor(prompt, processor.info.parse_mm_data({"image": [Image.fromarray(np.load(path))]}),
+                                hf_processor_mm_kwargs={}))
+            for path in images_npy]
 
 
 def summarize(out) -> dict:
@@ -99,9 +96,9 @@ def summarize(out) -> dict:
 if __name__ == "__main__":
     import json
 
-    if sys.argv[1:2] == ["process"]:  # process CHECKPOINT SPECS.json (a list of specs): one line, a list of results
-        ckpt, specs = sys.argv[2], json.loads(open(sys.argv[3]).read())
-        print("PROCESSED" + json.dumps(process(ckpt, specs)))
+    if sys.argv[1:2] == ["process"]:  # process CHECKPOINT SPEC.json: one line, a summary per image
+        ckpt, spec = sys.argv[2], json.loads(open(sys.argv[3]).read())
+        print("PROCESSED" + json.dumps(process(ckpt, spec["prompt"], spec["images"], spec["max_model_len"])))
         sys.exit(0)
     glm5next = install()
     print("INTERFACES" + json.dumps({name: interfaces(getattr(glm5next, name))
